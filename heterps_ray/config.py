@@ -1,0 +1,273 @@
+"""Job, cluster and model configs: YAML files validated on load.
+
+Every validation failure becomes one :class:`~heterps_ray.errors.ConfigError` naming the file,
+the field (dotted path) and what was expected. Relative paths inside a config are resolved
+against the directory of the file that names them, so a job can be run from anywhere.
+
+Example::
+
+    job = load_job("configs/jobs/quickstart.yaml")
+    job.cluster.resource_types[0].name   # "cpu_small"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from heterps_ray.errors import ConfigError
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ResourceType(BaseModel):
+    """One kind of machine a stage (or a PS shard) can run on."""
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$", description="Ray custom resource name")
+    device: Literal["cpu", "cuda"] = "cpu"
+    price_per_hour: float = Field(ge=0, description="$ per actor-hour of this type")
+    max_instances: int = Field(ge=1, description="most actors of this type at once")
+    ray_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources one actor asks for, besides {name: 1} (e.g. {CPU: 1})",
+    )
+    num_gpus: float = Field(0.0, ge=0)
+    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads inside the actor")
+    bandwidth_gbps: float = Field(10.0, gt=0)
+    io_bandwidth_gbps: float | None = Field(None, gt=0)
+    latency_ms: float = Field(0.0, ge=0)
+
+    @field_validator("ray_resources")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if amount < 0:
+                raise ValueError(f"resource amounts must be >= 0 (got {key}: {amount})")
+        return v
+
+    def actor_options(self) -> dict[str, Any]:
+        """The `ray.remote(...).options(**opts)` that pin an actor to this type."""
+        resources = {k: v for k, v in self.ray_resources.items() if k not in ("CPU", "GPU")}
+        resources[self.name] = 1.0
+        return {
+            "num_cpus": self.ray_resources.get("CPU", 0.0),
+            "num_gpus": self.num_gpus,
+            "resources": resources,
+        }
+
+
+class PSConfig(BaseModel):
+    model_config = _STRICT
+
+    resource: str | None = Field(None, description="resource type of PS shards (default: the first)")
+    min_shards: int = Field(1, ge=1)
+
+
+class ClusterConfig(BaseModel):
+    """The resource types a job may use. On an embedded local Ray, each type is declared as a custom
+    resource with `max_instances` units, so actors really are admitted per type."""
+
+    model_config = _STRICT
+
+    name: str
+    resource_types: list[ResourceType] = Field(min_length=1)
+    ps: PSConfig = PSConfig()
+
+    @model_validator(mode="after")
+    def _check_names(self) -> ClusterConfig:
+        names = [t.name for t in self.resource_types]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"resource type names must be unique (repeated: {dupes})")
+        if self.ps.resource is not None and self.ps.resource not in names:
+            raise ValueError(f"ps.resource {self.ps.resource!r} is not a resource type (known: {names})")
+        return self
+
+    def type(self, name: str) -> ResourceType:
+        for t in self.resource_types:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def ps_resource(self) -> str:
+        return self.ps.resource or self.resource_types[0].name
+
+    def local_resources(self) -> dict[str, float]:
+        """Custom resources to declare on an embedded local Ray: `max_instances` of each type."""
+        return {t.name: float(t.max_instances) for t in self.resource_types}
+
+
+class ModelConfig(BaseModel):
+    """A model of the zoo by name; the other fields are the builder's keyword arguments,
+    checked by the model zoo (see heterps_ray.models)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class DataConfig(BaseModel):
+    model_config = _STRICT
+
+    path: Path = Field(description="dataset directory (train/ and eval/ Parquet partitions)")
+    synth_rows: int | None = Field(
+        None, ge=1, description="if set and `path` holds no dataset, `heterps run` generates one"
+    )
+    shuffle: bool = False
+
+
+class OptimizerConfig(BaseModel):
+    model_config = _STRICT
+
+    sparse: Literal["adagrad"] = "adagrad"
+    sparse_lr: float = Field(0.05, gt=0)
+    sparse_init_accumulator: float = Field(0.1, ge=0)
+    dense: Literal["adam", "sgd"] = "adam"
+    dense_lr: float = Field(1e-3, gt=0)
+
+
+class RuntimeConfig(BaseModel):
+    model_config = _STRICT
+
+    micro_batches: int = Field(1, ge=1, description="sync mode: micro-batches per batch (GPipe style)")
+    max_in_flight: int = Field(4, ge=1, description="bounded in-flight micro-batches per link")
+    max_staleness: int = Field(4, ge=0, description="async mode: most dense versions a replica may lag")
+    ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
+    train_steps: int | None = Field(None, ge=1, description="stop after this many batches")
+    epochs: int = Field(1, ge=1)
+    snapshot_every: int = Field(0, ge=0, description="PS snapshot every N batches (0: off)")
+
+
+class JobConfig(BaseModel):
+    """One training job: which model, on which data and cluster, at what throughput floor."""
+
+    model_config = _STRICT
+
+    name: str
+    model: ModelConfig
+    cluster: ClusterConfig
+    data: DataConfig
+    batch_size: int = Field(512, ge=1)
+    samples: int = Field(ge=1, description="samples to train, for cost projection")
+    throughput_min: float = Field(ge=0, description="samples/s the plan must reach")
+    mode: Literal["sync", "async"] = "sync"
+    scheduler: str = "exact"
+    output_dir: Path
+    seed: int = 0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _check_micro_batches(self) -> JobConfig:
+        if self.batch_size % self.runtime.micro_batches:
+            raise ValueError(
+                f"runtime.micro_batches ({self.runtime.micro_batches}) must divide batch_size ({self.batch_size})"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (or JSON) mapping; a missing or unparsable file is a ConfigError naming it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "<file>", "a readable YAML file", exc.strerror) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "<file>", f"valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "<file>", "a mapping at the top level", type(data).__name__)
+    return data
+
+
+def validate(model_cls: type[BaseModel], data: dict[str, Any], file: str | None) -> Any:
+    """Validate `data` as `model_cls`, turning the first pydantic error into a ConfigError."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
+        expected = _expected(err)
+        got = err.get("input") if err["type"] not in ("missing", "value_error") else None
+        if isinstance(got, dict):
+            got = None
+        raise ConfigError(file, field, expected, got) from None
+
+
+def _expected(err: Any) -> str:
+    kind = err["type"]
+    if kind == "missing":
+        return "a value (the field is required)"
+    if kind == "extra_forbidden":
+        return "no such field (unknown field; check its spelling)"
+    if kind == "value_error":
+        return str(err["msg"]).removeprefix("Value error, ")
+    return str(err["msg"]).lower()
+
+
+def _resolve(base: Path, value: Any, loader: Any) -> Any:
+    """A sub-config given as a path (relative to `base`) is loaded; a mapping is used inline."""
+    if isinstance(value, str):
+        path = (base / value).resolve()
+        return loader(path)
+    return value
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    return validate(ClusterConfig, read_yaml(path), str(path))
+
+
+def load_model(path: str | Path) -> ModelConfig:
+    return validate(ModelConfig, read_yaml(path), str(path))
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Load a job file; `model` and `cluster` may be inline mappings or paths to their own files.
+
+    `overrides` (dotted keys, e.g. {"runtime.train_steps": 10}) are applied before validation.
+    """
+    path = Path(path)
+    raw = read_yaml(path)
+    base = path.resolve().parent
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, value)
+    if "model" in raw:
+        raw["model"] = _resolve(base, raw["model"], lambda p: load_model(p).model_dump())
+    if "cluster" in raw:
+        raw["cluster"] = _resolve(base, raw["cluster"], lambda p: load_cluster(p).model_dump())
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str):
+        data["path"] = _anchor(base, data["path"])
+    if isinstance(raw.get("output_dir"), str):
+        raw["output_dir"] = _anchor(base, raw["output_dir"])
+    return validate(JobConfig, raw, str(path))
+
+
+def _anchor(base: Path, value: str) -> str:
+    """Paths in a job are relative to the job file, except `$PWD/...`-style absolute ones."""
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value

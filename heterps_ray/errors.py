@@ -1,0 +1,46 @@
+"""One error type for everything a user can get wrong, with the CLI exit code it maps to."""
+
+from __future__ import annotations
+
+# Exit codes of the `heterps` CLI (documented in README.md).
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+
+
+class HeterPSError(Exception):
+    """A user-facing error: the message says what was wrong and how to fix it.
+
+    ``exit_code`` is what the CLI exits with; ``category`` groups errors for tests and logs.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+    category = "error"
+
+
+class ConfigError(HeterPSError):
+    """A config, problem or plan file is malformed: names the file, the field and what was expected."""
+
+    category = "config"
+
+    def __init__(self, file: str | None, field: str, expected: str, got: object = None):
+        self.file, self.field, self.expected, self.got = file, field, expected, got
+        where = f"{file}: " if file else ""
+        got_text = "" if got is None else f" (got {got!r})"
+        super().__init__(f"{where}field '{field}': expected {expected}{got_text}")
+
+
+class DataError(HeterPSError):
+    """Input data is missing, unreadable or malformed."""
+
+    category = "data"
+
+
+class InfeasibleError(HeterPSError):
+    """No plan reaches the throughput floor; the message gives the highest reachable throughput."""
+
+    category = "infeasible"
+    exit_code = EXIT_INFEASIBLE
+
+    def __init__(self, message: str, best_throughput: float):
+        self.best_throughput = best_throughput
+        super().__init__(message)
