@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from heterps_ray.errors import ConfigError
 
@@ -167,13 +175,13 @@ class JobConfig(BaseModel):
     optimizer: OptimizerConfig = OptimizerConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
-    @model_validator(mode="after")
-    def _check_micro_batches(self) -> JobConfig:
-        if self.batch_size % self.runtime.micro_batches:
-            raise ValueError(
-                f"runtime.micro_batches ({self.runtime.micro_batches}) must divide batch_size ({self.batch_size})"
-            )
-        return self
+    @field_validator("runtime")
+    @classmethod
+    def _check_micro_batches(cls, runtime: RuntimeConfig, info: ValidationInfo) -> RuntimeConfig:
+        batch_size = info.data.get("batch_size")
+        if batch_size and batch_size % runtime.micro_batches:
+            raise ValueError(f"micro_batches ({runtime.micro_batches}) to divide batch_size ({batch_size})")
+        return runtime
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""`heterps` — the command line of heterps_ray.
+
+Each part of the system registers its own sub-commands (a `commands.py` beside its code), so
+this file only assembles them and turns user errors into exit codes:
+0 success, 2 bad input (config, problem, plan or data), 3 no plan meets the throughput floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from heterps_ray.errors import HeterPSError
+
+# Modules that define `register(subparsers)`; order is the order in `heterps --help`.
+_COMMAND_MODULES = (
+    "heterps_ray.data.commands",
+    "heterps_ray.runtime.commands",
+    "heterps_ray.scheduling.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="heterps",
+        description="Train CTR models on a heterogeneous Ray cluster at a throughput floor, for the least money.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="more log output (Ray and heterps_ray)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    check = sub.add_parser("check", help="validate a job config (and the model and cluster it names)")
+    check.add_argument("job", help="job YAML file")
+    check.set_defaults(func=_check)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # that part of the system is not installed in this build
+        module.register(sub)
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    from heterps_ray.config import load_job
+
+    job = load_job(args.job)
+    types = ", ".join(
+        f"{t.name} ({t.device}, ${t.price_per_hour}/h, <= {t.max_instances})"
+        for t in job.cluster.resource_types
+    )
+    print(f"{args.job}: ok — model {job.model.name}, cluster {job.cluster.name}: {types}; mode {job.mode}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except HeterPSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

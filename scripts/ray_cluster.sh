@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# A local Ray cluster with heterps_ray's resource types declared, and `heterps run` submitted to it
+# as a Ray Job.
+#
+#   scripts/ray_cluster.sh start [CLUSTER.yaml]    ray start --head with the cluster's resource types
+#   scripts/ray_cluster.sh submit JOB.yaml [ARGS]  ray job submit -- heterps run JOB.yaml ARGS (waits, streams logs)
+#   scripts/ray_cluster.sh logs [SUBMISSION_ID]    follow a job's logs (default: the last submitted)
+#   scripts/ray_cluster.sh status [SUBMISSION_ID]  a job's status
+#   scripts/ray_cluster.sh stop                    ray stop
+#
+# Token authentication stays on (Ray's default): `ray start` writes the token to ~/.ray/auth_token and
+# the job client reads it with RAY_AUTH_MODE=token. The dashboard (and job server) binds to 127.0.0.1.
+# Outputs: the job writes to the output_dir of its job file, on the head node (this machine).
+# Environment: RAY_BIN (default .venv/bin/ray), HEAD_PORT (6379), DASHBOARD_PORT (8265),
+# RAY_TMP (this cluster's Ray temp dir, default /tmp/heterps_ray), NUM_CPUS (default: all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RAY_BIN=${RAY_BIN:-.venv/bin/ray}
+PY=${PY:-.venv/bin/python}
+HEAD_PORT=${HEAD_PORT:-6379}
+DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
+RAY_TMP=${RAY_TMP:-/tmp/heterps_ray}
+ADDRESS="http://127.0.0.1:${DASHBOARD_PORT}"
+LAST_ID_FILE="${RAY_TMP}/heterps_last_submission"
+export RAY_AUTH_MODE=token
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  start)
+    cluster=${1:-configs/clusters/local.yaml}
+    resources=$("$PY" -c 'import json,sys; from heterps_ray.config import load_cluster; print(json.dumps(load_cluster(sys.argv[1]).local_resources()))' "$cluster")
+    extra=()
+    [ -n "${NUM_CPUS:-}" ] && extra+=(--num-cpus "$NUM_CPUS")
+    # The agents' default ports clash with any other Ray on this machine (an embedded one, a test
+    # session's): take free ones.
+    read -r agent_port agent_grpc env_port metrics_port < <("$PY" -c '
+import socket
+socks = [socket.socket() for _ in range(4)]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])')
+    # The cluster's processes (and so a job's entrypoint `python`) use this project's environment.
+    PATH="$(cd "$(dirname "$RAY_BIN")" && pwd):$PATH" "$RAY_BIN" start --head --node-ip-address 127.0.0.1 --port "$HEAD_PORT" \
+      --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
+      --dashboard-agent-listen-port "$agent_port" --dashboard-agent-grpc-port "$agent_grpc" \
+      --runtime-env-agent-port "$env_port" --metrics-export-port "$metrics_port" \
+      --resources "$resources" --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}"
+    echo "Ray cluster up at $ADDRESS with resource types $resources"
+    ;;
+  submit)
+    job=${1:?usage: ray_cluster.sh submit JOB.yaml [heterps run options]}
+    shift
+    id="heterps-$(date +%Y%m%d-%H%M%S)-$$"
+    mkdir -p "$RAY_TMP"
+    echo "$id" > "$LAST_ID_FILE"
+    "$RAY_BIN" job submit --address "$ADDRESS" --submission-id "$id" --working-dir . \
+      --runtime-env-json '{"excludes": [".venv", ".git", "runs", "data", "*.parquet"]}' \
+      -- python -m heterps_ray run "$job" "$@"
+    ;;
+  logs)
+    "$RAY_BIN" job logs --address "$ADDRESS" --follow "${1:-$(cat "$LAST_ID_FILE")}"
+    ;;
+  status)
+    "$RAY_BIN" job status --address "$ADDRESS" "${1:-$(cat "$LAST_ID_FILE")}"
+    ;;
+  stop)
+    # Not `ray stop`: it kills every Ray process on the machine (an embedded Ray, a test session's).
+    # Stop only this cluster: the processes that name its temp dir or head port, and their children.
+    "$PY" - "$RAY_TMP" "$HEAD_PORT" <<'PY'
+import sys
+
+import psutil
+
+tmp, port = sys.argv[1].rstrip("/"), sys.argv[2]
+marks = (f"{tmp}/session_", f"--temp-dir={tmp}", f":{port}")
+roots = [
+    p for p in psutil.process_iter(["cmdline"])
+    if any(m in arg for arg in (p.info["cmdline"] or []) for m in marks) and p.pid != psutil.Process().pid
+]
+procs = {p.pid: p for r in roots for p in [r, *r.children(recursive=True)]}
+for p in procs.values():
+    try:
+        p.terminate()
+    except psutil.NoSuchProcess:
+        pass
+_, alive = psutil.wait_procs(list(procs.values()), timeout=10)
+for p in alive:
+    p.kill()
+print(f"stopped {len(procs)} Ray processes of the cluster in {tmp}")
+PY
+    ;;
+  *)
+    sed -n '2,18p' "$0"
+    exit 2
+    ;;
+esac

@@ -1,0 +1,47 @@
+"""One real local Ray for the whole test session (start-up costs seconds), with the custom
+resources of configs/clusters/local.yaml declared, so actors are admitted per resource type."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# 200 real Criteo rows (header CSV form), copied from ../shared/data/criteo_sample.txt.
+CRITEO_SAMPLE = REPO / "tests" / "data" / "criteo_sample.txt"
+
+os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray instance shared by every test that needs one."""
+    import ray
+
+    from heterps_ray.config import load_cluster
+
+    cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
+    if not ray.is_initialized():
+        # address="local": always a fresh embedded instance, even when a `ray start` cluster
+        # (e.g. the job-submission test's) is running on this machine.
+        ray.init(
+            address="local",
+            num_cpus=2,
+            resources=cluster.local_resources(),
+            object_store_memory=512 * 1024 * 1024,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def criteo_sample() -> Path:
+    if not CRITEO_SAMPLE.exists():
+        pytest.fail(f"missing {CRITEO_SAMPLE}")
+    return CRITEO_SAMPLE
