@@ -17,8 +17,11 @@ from heterps_ray.errors import HeterPSError
 # Modules that define `register(subparsers)`; order is the order in `heterps --help`.
 _COMMAND_MODULES = (
     "heterps_ray.data.commands",
+    "heterps_ray.profiling.commands",
+    "heterps_ray.costmodel.commands",
     "heterps_ray.runtime.commands",
     "heterps_ray.scheduling.commands",
+    "heterps_ray.experiments.commands",
 )
 
 

@@ -1,0 +1,37 @@
+"""heterps_ray.costmodel — the scheduling problem and the analytic cost model (DESIGN.md §2–4)."""
+
+from heterps_ray.costmodel.analytic import (
+    BatchEvaluation,
+    CostModel,
+    Evaluation,
+    StageEvaluation,
+    StageTime,
+    monetary_cost,
+    stage_throughput,
+)
+from heterps_ray.costmodel.problem import (
+    Layer,
+    LayerTime,
+    Problem,
+    PSTier,
+    Resource,
+    load_problem,
+    problem_from_dict,
+)
+
+__all__ = [
+    "BatchEvaluation",
+    "CostModel",
+    "Evaluation",
+    "Layer",
+    "LayerTime",
+    "PSTier",
+    "Problem",
+    "Resource",
+    "StageEvaluation",
+    "StageTime",
+    "load_problem",
+    "monetary_cost",
+    "problem_from_dict",
+    "stage_throughput",
+]

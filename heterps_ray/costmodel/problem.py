@@ -1,0 +1,197 @@
+"""The scheduling problem (DESIGN.md §2 and §4): a chain of layers, resource types, a floor.
+
+Loaded from YAML or JSON and validated; every mistake is a ConfigError naming the file, the
+field and what was expected.
+
+Example::
+
+    problem = load_problem("configs/problems/ctr_dnn_cloud.yaml")
+    problem.type_names        # ["cpu", "t4", "v100", "a100"]
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from heterps_ray.config import read_yaml, validate
+from heterps_ray.errors import ConfigError
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+_NAME = r"^[A-Za-z][A-Za-z0-9_\-]*$"
+
+
+class Resource(BaseModel):
+    """One resource type: its price, how many instances exist, and its network."""
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=_NAME)
+    price_per_hour: float = Field(ge=0, description="$ per instance-hour")
+    max_instances: int = Field(ge=1, description="most instances of this type at once")
+    bandwidth_gbps: float = Field(gt=0, description="activation traffic, Gbit/s")
+    io_bandwidth_gbps: float | None = Field(
+        None, gt=0, description="input reads, Gbit/s (default: bandwidth)"
+    )
+    latency_ms: float = Field(0.0, ge=0, description="per message, ms")
+    device: str | None = Field(None, description="informational: cpu or cuda")
+
+    @property
+    def io_gbps(self) -> float:
+        return self.io_bandwidth_gbps if self.io_bandwidth_gbps is not None else self.bandwidth_gbps
+
+
+class PSTier(BaseModel):
+    """The parameter-server tier, priced and rate-limited like one more stage."""
+
+    model_config = _STRICT
+
+    resource: str | None = Field(None, description="resource type of the shards (default: the first)")
+    rows_per_second_per_shard: float | None = Field(None, gt=0, description="sparse rows/s one shard serves")
+    min_shards: int = Field(1, ge=1, description="shards needed to hold the tables in memory")
+
+
+class LayerTime(BaseModel):
+    """c(l, t) = fixed + per_sample * B, in ms for one replica (forward + backward)."""
+
+    model_config = _STRICT
+
+    fixed: float = Field(ge=0, description="ms per batch")
+    per_sample: float = Field(ge=0, description="ms per sample")
+
+
+class Layer(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    out_bytes_per_sample: float = Field(ge=0, description="activation bytes per sample it sends on")
+    sparse_rows_per_sample: float = Field(0.0, ge=0, description="PS rows pulled per sample")
+    parallel_fraction: float = Field(1.0, ge=0, le=1, description="Amdahl alpha of its replicas")
+    time_ms: dict[str, LayerTime] = Field(min_length=1, description="per resource type; absent = cannot run")
+
+
+class Problem(BaseModel):
+    """Planner input (DESIGN.md §4). Build with :func:`load_problem` or :func:`problem_from_dict`."""
+
+    model_config = _STRICT
+
+    name: str
+    batch_size: int = Field(ge=1)
+    samples: float = Field(gt=0, description="samples to train, for the monetary cost")
+    throughput_min: float = Field(ge=0, description="floor, samples/s")
+    input_bytes_per_sample: float = Field(0.0, ge=0)
+    resources: tuple[Resource, ...] = Field(min_length=1)
+    ps: PSTier = Field(default_factory=lambda: PSTier.model_validate({}))
+    layers: tuple[Layer, ...] = Field(min_length=1)
+    notes: str | None = None
+
+    @model_validator(mode="after")
+    def _check_references(self, info: ValidationInfo) -> Problem:
+        file = (info.context or {}).get("file") if info is not None else None
+        names = [r.name for r in self.resources]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise ConfigError(
+                    file, f"resources.{i}.name", f"a unique resource name (known: {names})", name
+                )
+        if self.ps.resource is not None and self.ps.resource not in names:
+            raise ConfigError(file, "ps.resource", f"one of the resource types {names}", self.ps.resource)
+        ps_cap = self.resource(self.ps_resource).max_instances
+        if self.ps.min_shards > ps_cap:
+            raise ConfigError(
+                file,
+                "ps.min_shards",
+                f"at most max_instances of {self.ps_resource!r} ({ps_cap})",
+                self.ps.min_shards,
+            )
+        layer_names = [layer.name for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            if layer_names.index(layer.name) != i:
+                raise ConfigError(file, f"layers.{i}.name", "a unique layer name", layer.name)
+            for type_name in layer.time_ms:
+                if type_name not in names:
+                    raise ConfigError(
+                        file, f"layers.{i}.time_ms.{type_name}", f"a resource type, one of {names}", type_name
+                    )
+        return self
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    @property
+    def type_names(self) -> list[str]:
+        return [r.name for r in self.resources]
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_types(self) -> int:
+        return len(self.resources)
+
+    @property
+    def ps_resource(self) -> str:
+        return self.ps.resource or self.resources[0].name
+
+    @property
+    def ps_rows_per_second(self) -> float:
+        """Rows/s per shard; unlimited (inf) when the file gives none."""
+        rate = self.ps.rows_per_second_per_shard
+        return math.inf if rate is None else rate
+
+    def resource(self, name: str) -> Resource:
+        for r in self.resources:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def type_index(self, name: str) -> int:
+        return self.type_names.index(name)
+
+    def can_run(self, layer: int, type_name: str) -> bool:
+        return type_name in self.layers[layer].time_ms
+
+    def types_running_all_layers(self) -> list[str]:
+        """Types that can run every layer: the candidates for a single-type plan."""
+        return [t for t in self.type_names if all(t in layer.time_ms for layer in self.layers)]
+
+    # -- output --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write as YAML (or JSON when the name ends in .json)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        if path.suffix == ".json":
+            import json
+
+            path.write_text(json.dumps(data, indent=2) + "\n")
+        else:
+            path.write_text(yaml.safe_dump(data, sort_keys=False, width=120))
+        return path
+
+
+def problem_from_dict(data: dict[str, Any], file: str | None = None) -> Problem:
+    """Validate a problem mapping; a mistake is a ConfigError naming `file` and the field."""
+    try:
+        return validate(Problem, data, file)
+    except ConfigError as exc:
+        if exc.file is None and file is not None:  # raised inside the model validator
+            raise ConfigError(file, exc.field, exc.expected, exc.got) from None
+        raise
+
+
+def load_problem(path: str | Path) -> Problem:
+    """Load a problem file (YAML or JSON)."""
+    return problem_from_dict(read_yaml(path), str(path))

@@ -1,0 +1,559 @@
+"""Ray Tune experiments over schedulers: compare them across problems and floors, sweep their settings.
+
+A *case* is a problem at one throughput floor, given as a fraction of the highest throughput any plan
+of that problem reaches (so 0.8 is hard everywhere, whatever the problem's scale). Every cost is
+compared with the exact optimum of its case::
+
+    problems = generate_problems(4, seed=0)
+    table = compare_schedulers(problems, floors=(0.2, 0.6), schedulers=["exact", "greedy", "genetic"],
+                               storage_path="runs/tune")
+    sweep = sweep_scheduler("genetic", problems, num_samples=8, storage_path="runs/tune")
+    sweep.best_config, sweep.table
+
+Trials run inside the caller's Ray (``ray.init`` first, or the CLI's); each asks for `cpus_per_trial`
+CPUs, and RL trials for a whole CPU (RLlib runs inside the trial).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from heterps_ray.costmodel import Problem, load_problem
+from heterps_ray.errors import ConfigError
+from heterps_ray.experiments.frontier import with_floor
+from heterps_ray.scheduling import Plan, Scheduler, available_schedulers, get_scheduler
+from heterps_ray.scheduling.exact import max_reachable_throughput
+
+DEFAULT_FLOORS = (0.2, 0.4, 0.6, 0.8)  # fractions of each problem's highest reachable throughput
+MISSED_RATIO = 10.0  # a sweep scores a plan that misses a reachable floor as 10x the optimum's cost
+RL_CPUS = 1.0  # RLlib inside a trial keeps one CPU busy
+# Schedulers left out by default: brute enumerates T^L assignments (exact gives the same optimum).
+_NOT_COMPARED_BY_DEFAULT = {"brute"}
+
+# Result columns of compare_schedulers, in order.
+COMPARISON_COLUMNS = (
+    "problem",
+    "floor",
+    "throughput_min",
+    "scheduler",
+    "cost",
+    "ratio",
+    "throughput",
+    "cost_rate",
+    "feasible",
+    "seconds",
+    "plans_evaluated",
+    "assignment",
+    "replicas",
+    "ps_shards",
+)
+
+
+# What each sweep trial reports (besides its settings).
+SWEEP_METRICS = ("mean_ratio", "worst_ratio", "mean_ratio_feasible", "missed", "cases", "seconds")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem at one floor: `floor` is the fraction, `problem.throughput_min` the samples/s."""
+
+    problem_name: str
+    floor: float
+    problem: Problem
+
+    @property
+    def key(self) -> str:
+        return f"{self.problem_name}@{self.floor:g}"
+
+
+@dataclass
+class SweepResult:
+    """One row per trial (its settings and metrics), sorted best first, and the best settings."""
+
+    scheduler: str
+    table: pd.DataFrame
+    best_config: dict[str, Any]
+    best_mean_ratio: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Problem suites
+
+
+def load_problems(spec: str | Path) -> list[Problem]:
+    """Problems from a file, a directory (its *.yaml, *.yml and *.json) or a glob pattern."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
+    elif path.is_file():
+        files = [path]
+    else:
+        files = [Path(p) for p in sorted(glob.glob(str(spec)))]
+    if not files:
+        raise ConfigError(
+            str(spec), "--problems", "a problem file, a directory of them or a glob matching some"
+        )
+    problems = [load_problem(f) for f in files]
+    return _unique_names(problems, [f.stem for f in files])
+
+
+def generate_problems(
+    count: int, seed: int = 0, num_layers: tuple[int, int] = (3, 6), num_types: tuple[int, int] = (2, 3)
+) -> list[Problem]:
+    """`count` random problems (scheduling.generator), seeds seed..seed+count-1."""
+    from heterps_ray.scheduling.generator import generate_problem
+
+    return [generate_problem(seed + i, num_layers=num_layers, num_types=num_types) for i in range(count)]
+
+
+def make_cases(problems: Sequence[Problem], floors: Iterable[float]) -> list[Case]:
+    """Every problem at every floor fraction of its highest reachable throughput."""
+    floors = [float(f) for f in floors]
+    for f in floors:
+        if not 0.0 < f <= 1.5:
+            raise ConfigError(
+                None, "--floors", "fractions of the highest reachable throughput in (0, 1.5]", f
+            )
+    cases = []
+    for problem in problems:
+        theta_max = max_reachable_throughput(problem)
+        if not (theta_max > 0.0 and math.isfinite(theta_max)):
+            raise ConfigError(
+                None,
+                "--problems",
+                f"problems where some plan reaches a finite throughput ({problem.name!r} reaches {theta_max})",
+            )
+        cases += [Case(problem.name, f, with_floor(problem, f * theta_max)) for f in floors]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing schedulers
+
+
+def default_schedulers() -> list[str]:
+    """Every registered scheduler worth comparing: exact, the best single type, the baselines, rl."""
+    return sorted(set(available_schedulers()) - _NOT_COMPARED_BY_DEFAULT, key=lambda n: (n != "exact", n))
+
+
+def compare_schedulers(
+    problems: Sequence[Problem],
+    *,
+    schedulers: Sequence[str] | None = None,
+    floors: Iterable[float] = DEFAULT_FLOORS,
+    budget_s: float | None = None,
+    seed: int = 0,
+    storage_path: str | Path = "runs/tune",
+    cpus_per_trial: float = 0.5,
+    scheduler_options: Mapping[str, Mapping[str, Any]] | None = None,
+    verbose: bool = False,
+) -> pd.DataFrame:
+    """One Tune trial per (problem, floor, scheduler); a DataFrame with COMPARISON_COLUMNS.
+
+    `ratio` is cost / the exact optimum's cost of the case (exact always runs): inf where the
+    scheduler misses a floor that exact reaches, NaN where no plan reaches it.
+    `scheduler_options` adds keyword arguments per scheduler (e.g. {"rl": {"iterations": 2}}).
+    """
+    from ray import tune
+
+    names = list(dict.fromkeys(["exact", *(schedulers or default_schedulers())]))
+    check_schedulers(names)
+    cases = make_cases(problems, floors)
+    options = {k: dict(v) for k, v in (scheduler_options or {}).items()}
+    trainable = tune.with_parameters(
+        _schedule_trial, cases={c.key: c for c in cases}, budget_s=budget_s, seed=seed, options=options
+    )
+    cpus = _cpus_available()
+    rows = _fit(
+        tune.with_resources(
+            trainable,
+            lambda config: tune.PlacementGroupFactory(
+                [{"CPU": min(RL_CPUS if config["scheduler"] == "rl" else cpus_per_trial, cpus)}]
+            ),
+        ),
+        param_space={
+            "case": tune.grid_search([c.key for c in cases]),
+            "scheduler": tune.grid_search(names),
+        },
+        storage_path=storage_path,
+        name="schedulers",
+        total_trials=len(cases) * len(names),
+        verbose=verbose,
+    )
+    by_key = {c.key: c for c in cases}
+    records = []
+    for config, metrics in rows:
+        case = by_key[config["case"]]
+        records.append(
+            {
+                "problem": case.problem_name,
+                "floor": case.floor,
+                "throughput_min": case.problem.throughput_min,
+                "scheduler": config["scheduler"],
+                **{k: metrics[k] for k in COMPARISON_COLUMNS[4:] if k != "ratio"},
+            }
+        )
+    table = pd.DataFrame.from_records(records)
+    table["ratio"] = _ratios(table)
+    order = {name: i for i, name in enumerate(names)}
+    table = table.sort_values(
+        ["problem", "floor", "scheduler"], key=lambda col: col.map(order) if col.name == "scheduler" else col
+    )
+    return table.reset_index(drop=True)[list(COMPARISON_COLUMNS)]
+
+
+def check_schedulers(names: Iterable[str]) -> None:
+    """ConfigError unless every name is a registered scheduler or single:<type>."""
+    known = available_schedulers()
+    for name in names:
+        if name not in known and not name.startswith("single:"):
+            raise ConfigError(None, "--schedulers", f"names among {known} or single:<type>", name)
+
+
+def plan_metrics(plan: Plan) -> dict[str, Any]:
+    """The comparison columns of one plan (what a trial reports)."""
+    return {
+        "cost": float(plan.cost) if plan.feasible else math.inf,
+        "throughput": float(plan.throughput),
+        "cost_rate": float(plan.cost_rate),
+        "feasible": bool(plan.feasible),
+        "seconds": float(plan.seconds),
+        "plans_evaluated": int(plan.plans_evaluated),
+        "assignment": " ".join(plan.assignment),
+        "replicas": " ".join(str(k) for k in plan.replicas),
+        "ps_shards": int(plan.ps_shards),
+    }
+
+
+def make_scheduler(name: str, *, seed: int = 0, budget_s: float | None = None, **options: Any) -> Scheduler:
+    """A scheduler by registry name; "single" is the best single-type plan over all types."""
+    if name == "single":
+        from heterps_ray.scheduling.baselines import SingleTypeScheduler
+
+        return SingleTypeScheduler(seed=seed, budget_s=budget_s, **options)
+    if name == "rl":
+        from heterps_ray.scheduling.rl import RLConfig
+
+        config = options.pop("config", None)
+        if isinstance(config, Mapping):
+            config = RLConfig(**config)
+        if config is not None:
+            options["config"] = config
+    return get_scheduler(name, seed=seed, budget_s=budget_s, **options)
+
+
+def _schedule_trial(
+    config: dict[str, Any],
+    cases: dict[str, Case],
+    budget_s: float | None,
+    seed: int,
+    options: dict[str, dict],
+) -> None:
+    from ray import tune
+
+    name = config["scheduler"]
+    plan = make_scheduler(name, seed=seed, budget_s=budget_s, **options.get(name, {})).schedule(
+        cases[config["case"]].problem
+    )
+    tune.report(plan_metrics(plan))
+
+
+def _ratios(table: pd.DataFrame) -> pd.Series:
+    exact = table[table["scheduler"] == "exact"].set_index(["problem", "floor"])
+    ratios = []
+    for problem, floor, cost, feasible in zip(
+        table["problem"], table["floor"], table["cost"], table["feasible"], strict=True
+    ):
+        row = exact.loc[(problem, floor)]
+        if not row["feasible"]:
+            ratios.append(math.nan)
+        elif not feasible:
+            ratios.append(math.inf)
+        else:
+            ratios.append(cost / row["cost"] if row["cost"] > 0 else 1.0)
+    return pd.Series(ratios, index=table.index, dtype=float)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeping a scheduler's settings
+
+
+def genetic_search_space() -> dict[str, Any]:
+    """The genetic baseline's settings: population, mutation rate, generations."""
+    from ray import tune
+
+    return {
+        "population": tune.choice([16, 32, 48, 96]),
+        "mutation_rate": tune.loguniform(0.02, 0.5),
+        "generations": tune.choice([10, 30, 60, 120]),
+    }
+
+
+def rl_search_space() -> dict[str, Any]:
+    """PPO settings of the RL scheduler (fields of RLConfig) worth sweeping."""
+    from ray import tune
+
+    return {
+        "lr": tune.loguniform(1e-4, 3e-3),
+        "entropy_coeff": tune.loguniform(1e-3, 5e-2),
+        "train_batch_size": tune.choice([256, 512, 1024]),
+        "minibatch_size": tune.choice([64, 128]),
+        "num_epochs": tune.choice([4, 8, 16]),
+        "clip_param": tune.choice([0.1, 0.2, 0.3]),
+        "hidden": tune.choice([32, 64, 128]),
+    }
+
+
+def sweep_scheduler(
+    scheduler: str,
+    problems: Sequence[Problem],
+    *,
+    search_space: Mapping[str, Any] | None = None,
+    num_samples: int = 8,
+    floors: Iterable[float] = (0.5,),
+    budget_s: float | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    storage_path: str | Path = "runs/tune",
+    cpus_per_trial: float = 0.5,
+    verbose: bool = False,
+) -> SweepResult:
+    """Sample `num_samples` settings of `scheduler` (genetic or rl) and score each on the suite.
+
+    The metric, minimised, is the mean over cases of cost / exact optimum's cost, a missed floor
+    counting MISSED_RATIO; cases no plan reaches are left out. `fixed` are keyword arguments given
+    to every trial's scheduler (e.g. {"iterations": 2} for rl). Sampling is seeded by `seed`.
+    """
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    if scheduler not in ("genetic", "rl"):
+        raise ConfigError(
+            None, "scheduler", "genetic or rl (the schedulers with settings to sweep)", scheduler
+        )
+    space = dict(search_space or (rl_search_space() if scheduler == "rl" else genetic_search_space()))
+    if scheduler == "rl":
+        from heterps_ray.scheduling.rl import RLConfig
+
+        known = {f.name for f in fields(RLConfig)}
+        unknown = sorted(set(space) - known)
+        if unknown:
+            raise ConfigError(None, "search_space", f"fields of RLConfig ({sorted(known)})", unknown)
+    cases = make_cases(problems, floors)
+    exact = {c.key: get_scheduler("exact").schedule(c.problem) for c in cases}
+    reachable = [c for c in cases if exact[c.key].feasible]
+    if not reachable:
+        raise ConfigError(None, "--floors", "floors some plan reaches on at least one problem")
+    cpus = min(RL_CPUS if scheduler == "rl" else cpus_per_trial, _cpus_available())
+    trainable = tune.with_parameters(
+        _sweep_trial,
+        cases=reachable,
+        exact_costs={k: p.cost for k, p in exact.items()},
+        scheduler=scheduler,
+        fixed=dict(fixed or {}),
+        budget_s=budget_s,
+        seed=seed,
+    )
+    rows = _fit(
+        tune.with_resources(trainable, {"cpu": cpus}),
+        param_space=space,
+        storage_path=storage_path,
+        name=f"sweep-{scheduler}",
+        num_samples=num_samples,
+        metric="mean_ratio",
+        search_alg=BasicVariantGenerator(random_state=seed),
+        total_trials=num_samples,
+        verbose=verbose,
+    )
+    records = [
+        {**{k: config[k] for k in space}, **{k: metrics[k] for k in SWEEP_METRICS}}
+        for config, metrics in rows
+    ]
+    table = pd.DataFrame.from_records(records).sort_values(["mean_ratio", "seconds"]).reset_index(drop=True)
+    best = {k: _plain(table[k].iloc[0]) for k in space}
+    return SweepResult(scheduler, table, best, float(table.iloc[0]["mean_ratio"]))
+
+
+def _sweep_trial(
+    config: dict[str, Any],
+    cases: list[Case],
+    exact_costs: dict[str, float],
+    scheduler: str,
+    fixed: dict[str, Any],
+    budget_s: float | None,
+    seed: int,
+) -> None:
+    from ray import tune
+
+    settings = dict(config)
+    if scheduler == "rl":
+        settings = {"config": settings}
+    started = time.perf_counter()
+    ratios, missed = [], 0
+    for case in cases:
+        plan = make_scheduler(scheduler, seed=seed, budget_s=budget_s, **fixed, **settings).schedule(
+            case.problem
+        )
+        if plan.feasible:
+            optimum = exact_costs[case.key]
+            ratios.append(plan.cost / optimum if optimum > 0 else 1.0)
+        else:
+            missed += 1
+            ratios.append(MISSED_RATIO)
+    feasible_ratios = [r for r in ratios if r != MISSED_RATIO] or [math.nan]
+    tune.report(
+        {
+            "mean_ratio": float(statistics.fmean(ratios)),
+            "worst_ratio": float(max(ratios)),
+            "mean_ratio_feasible": float(np.nanmean(feasible_ratios)),
+            "missed": missed,
+            "cases": len(cases),
+            "seconds": time.perf_counter() - started,
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tune plumbing
+
+
+def _fit(
+    trainable: Any,
+    *,
+    param_space: dict[str, Any],
+    storage_path: str | Path,
+    name: str,
+    num_samples: int = 1,
+    metric: str | None = None,
+    search_alg: Any = None,
+    total_trials: int,
+    verbose: bool = False,
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Run the trials; (config, last reported metrics) per trial. A failed trial raises.
+
+    Quiet unless `verbose`: a progress bar over trials instead of Tune's status tables.
+    """
+    from ray import tune
+
+    # No TensorBoard/CSV/JSON loggers: results are read from memory, not from trial folders.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    storage = Path(storage_path).resolve()
+    storage.mkdir(parents=True, exist_ok=True)
+    progress = _trial_progress(total_trials, name)
+    tuner = tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            num_samples=num_samples,
+            metric=metric,
+            mode="min" if metric else None,
+            search_alg=search_alg,
+            reuse_actors=True,
+        ),
+        run_config=tune.RunConfig(
+            storage_path=str(storage),
+            name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            verbose=1 if verbose else 0,
+            callbacks=[progress],
+        ),
+    )
+    with _quiet_tune(not verbose):
+        results = tuner.fit()
+    progress.close()
+    if results.errors:
+        raise RuntimeError(
+            f"{len(results.errors)} Tune trial(s) of {name!r} failed; the first: {results.errors[0]!r}"
+        )
+    return [(dict(r.config or {}), dict(r.metrics or {})) for r in (results[i] for i in range(len(results)))]
+
+
+@contextmanager
+def _quiet_tune(quiet: bool) -> Iterator[None]:
+    """Tune's new console output prints tables even at verbose=0; the old engine at 0 is silent.
+    Its INFO lines and the warnings about trial folders without result files (we read results
+    from memory) are hidden too."""
+    if not quiet:
+        yield
+        return
+    previous = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    tune_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tune_log.setLevel(level)
+        if previous is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = previous
+
+
+def _trial_progress_class() -> type:
+    from ray.tune import Callback
+
+    class TrialProgress(Callback):
+        """A tqdm bar that advances as trials finish."""
+
+        def __init__(self, total: int, name: str):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=name, unit="trial", leave=False)
+
+        def __getstate__(self) -> dict[str, Any]:
+            # Tune pickles its callbacks with the experiment state; a bar holds the terminal stream.
+            return {"bar": None}
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            if self.bar is not None:
+                self.bar.update(1)
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.on_trial_complete(iteration, trials, trial)
+
+        def close(self) -> None:
+            if self.bar is not None:
+                self.bar.close()
+
+    return TrialProgress
+
+
+def _trial_progress(total: int, name: str) -> Any:
+    """A TrialProgress callback (its class is built on first use: Tune is imported lazily)."""
+    return _trial_progress_class()(total, name)
+
+
+def _cpus_available() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 1.0))
+
+
+def _unique_names(problems: list[Problem], stems: list[str]) -> list[Problem]:
+    """Cases are keyed by problem name: rename duplicates after their files."""
+    seen: dict[str, int] = {}
+    for p in problems:
+        seen[p.name] = seen.get(p.name, 0) + 1
+    return [
+        p if seen[p.name] == 1 else p.model_copy(update={"name": f"{p.name} [{stem}]"})
+        for p, stem in zip(problems, stems, strict=True)
+    ]
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python numbers, for printing and JSON."""
+    return value.item() if isinstance(value, np.generic) else value

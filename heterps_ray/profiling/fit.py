@@ -1,0 +1,403 @@
+"""Least-squares fits from raw profile measurements to the DESIGN.md §3 coefficients.
+
+The profiler (or anything else) hands in a long-format measurement table (:data:`COLUMNS`); this
+module fits, per (layer, type), ``ms = fixed + per_sample · B``; per type, ``ms = latency +
+bytes / bandwidth``; the PS service rate; and the parallel fraction from 1- vs 2-replica runs.
+It returns a problem file as a plain mapping (DESIGN.md §4) and a quality table in which every
+poor fit (R² < 0.9, a negative coefficient, a clipped parallel fraction) is flagged.
+
+Example::
+
+    result = fit_problem(measurements, cluster=job.cluster, layers=layer_infos, batch_size=512,
+                         samples=10**8, throughput_min=1000.0, name="ctr_dnn on local")
+    write_problem(result, "problem.yaml")   # + problem.measurements.parquet, problem.fit.csv
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from heterps_ray.config import ClusterConfig
+from heterps_ray.errors import DataError
+
+# Long-format measurement table: one row per timed repeat.
+#   kind      "layer" (one layer fwd+bwd on one actor), "layer_pair" (`calls` calls in `ms` on one of
+#             `replicas` actors running the layer at once), "transfer" (one actor-to-actor message),
+#             "ps" (`calls` pull+push requests of `rows` rows each, in `ms`)
+#   resource  the resource type measured (the sender, for transfers); peer: the receiver type
+COLUMNS = (
+    "kind",
+    "resource",
+    "peer",
+    "layer",
+    "batch_size",
+    "nbytes",
+    "rows",
+    "replicas",
+    "calls",
+    "repeat",
+    "forward_ms",
+    "backward_ms",
+    "ms",
+)
+
+R2_POOR = 0.9  # below this a fit is flagged as poor (issue 5)
+_BYTES_PER_MS_PER_GBPS = 125_000.0  # 1 Gbit/s = 1e9 / 8 bytes/s = 125,000 bytes/ms (DESIGN.md §3)
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``y = intercept + slope · x`` by least squares, with its quality."""
+
+    intercept: float
+    slope: float
+    r2: float
+    residuals: tuple[float, ...]  # y - fitted, at each x (same order as the input points)
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+
+    @property
+    def max_rel_residual(self) -> float:
+        """Largest |residual| / y over the points: how far off the line the worst point is."""
+        y = np.asarray(self.y)
+        return float(np.max(np.abs(self.residuals) / np.maximum(np.abs(y), 1e-12))) if len(y) else 0.0
+
+    @property
+    def negative(self) -> bool:
+        return self.intercept < 0 or self.slope < 0
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> LinearFit:
+    """Ordinary least squares of y on x; R² is 1 - SS_res / SS_tot (1.0 when y is constant and fit)."""
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    if len(xs) < 2 or len(np.unique(xs)) < 2:
+        raise DataError(f"a line needs at least two distinct x values (got {xs.tolist()})")
+    design = np.stack([np.ones_like(xs), xs], axis=1)
+    (intercept, slope), *_ = np.linalg.lstsq(design, ys, rcond=None)
+    fitted = intercept + slope * xs
+    residuals = ys - fitted
+    ss_res = float(np.sum(residuals**2))
+    ss_tot = float(np.sum((ys - ys.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res < 1e-18 else 0.0)
+    return LinearFit(
+        float(intercept), float(slope), r2, tuple(residuals.tolist()), tuple(xs.tolist()), tuple(ys.tolist())
+    )
+
+
+def clamp_non_negative(fit: LinearFit) -> tuple[float, float]:
+    """Coefficients usable in a problem file: a negative one is set to 0 and the other refitted
+    (the fit stays flagged; this only keeps the cost model physical)."""
+    if not fit.negative:
+        return fit.intercept, fit.slope
+    x, y = np.asarray(fit.x), np.asarray(fit.y)
+    slope_through_origin = float(np.dot(x, y) / np.dot(x, x))
+    if fit.intercept < 0 and slope_through_origin >= 0:
+        return 0.0, slope_through_origin
+    return max(float(np.mean(y)), 0.0), 0.0
+
+
+def parallel_fraction(speedup: float) -> float:
+    """Amdahl's parallel fraction from the speedup of 2 replicas over 1, clipped to [0, 1]:
+    ``s = 1 / ((1-α) + α/2)``  ⇒  ``α = (1 - 1/s) / (1 - 1/2)``."""
+    if speedup <= 0:
+        return 0.0
+    return float(min(max((1.0 - 1.0 / speedup) / 0.5, 0.0), 1.0))
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the problem file needs about a layer besides its times (from the model's LayerSpec)."""
+
+    name: str
+    out_bytes_per_sample: int
+    sparse_rows_per_sample: int
+    parallel_fraction: float  # the model's prior, used where no 2-replica run was possible
+    dense_params: int = 0  # torch parameters (async mode pushes their gradients to the PS)
+
+
+@dataclass
+class FitResult:
+    """A fitted problem file (DESIGN.md §4 mapping), the fit-quality table and the raw measurements."""
+
+    problem: dict[str, Any]
+    quality: pd.DataFrame
+    measurements: pd.DataFrame
+    flags: list[str] = field(default_factory=list)
+    runtime: dict[str, Any] = field(default_factory=dict)
+    """measured details the problem format has no field for, used by the simulator (see
+    :func:`simulator_options`): PS pull share, async dense push cost, forward share of compute"""
+
+
+def fit_problem(
+    measurements: pd.DataFrame,
+    *,
+    cluster: ClusterConfig,
+    layers: Sequence[LayerInfo],
+    batch_size: int,
+    samples: int,
+    throughput_min: float,
+    name: str,
+    input_bytes_per_sample: int = 0,
+    ps_resource: str | None = None,
+) -> FitResult:
+    """Fit every coefficient of a problem file from `measurements` (columns :data:`COLUMNS`).
+
+    Resource types come from `cluster` (price, max_instances, io bandwidth) for those that have
+    layer measurements; bandwidth and latency are replaced by the transfer fits where measured.
+    """
+    missing = [c for c in COLUMNS if c not in measurements.columns]
+    if missing:
+        raise DataError(f"profile measurements lack columns {missing} (expected {list(COLUMNS)})")
+    rows: list[dict[str, Any]] = []
+    flags: list[str] = []
+    types = [t for t in cluster.resource_types if (measurements["resource"] == t.name).any()]
+    if not types:
+        raise DataError("profile measurements name none of the cluster's resource types")
+
+    layer_entries = []
+    for layer in layers:
+        time_ms: dict[str, dict[str, float]] = {}
+        alphas = []
+        for rtype in types:
+            sel = measurements[
+                (measurements["kind"] == "layer")
+                & (measurements["layer"] == layer.name)
+                & (measurements["resource"] == rtype.name)
+            ]
+            if sel.empty:
+                continue
+            medians = sel.groupby("batch_size")["ms"].median()
+            fit = fit_line(medians.index.to_numpy(dtype=float), medians.to_numpy())
+            fixed, per_sample = clamp_non_negative(fit)
+            time_ms[rtype.name] = {"fixed": _round(fixed), "per_sample": _round(per_sample)}
+            alpha, speedup = _alpha(measurements, layer.name, rtype.name)
+            if alpha is not None:
+                alphas.append((alpha, fixed + per_sample * batch_size))
+            row = _quality_row("layer", layer.name, rtype.name, fit, fixed, per_sample, "sample")
+            row["speedup_2x"] = speedup
+            row["parallel_fraction"] = alpha
+            if speedup is not None and not 1.0 <= speedup <= 2.0:
+                row["flags"] = _join(row["flags"], f"2-replica speedup {speedup:.2f} outside [1, 2]: clipped")
+            rows.append(row)
+        if not time_ms:
+            raise DataError(f"no layer measurements for layer {layer.name!r}")
+        # Weighted by the layer's time on each type, as the stage α is weighted in DESIGN.md §3.
+        if alphas:
+            weights = np.array([w for _, w in alphas])
+            alpha_value = float(np.average([a for a, _ in alphas], weights=np.maximum(weights, 1e-9)))
+        else:
+            alpha_value = layer.parallel_fraction
+        entry: dict[str, Any] = {
+            "name": layer.name,
+            "out_bytes_per_sample": int(layer.out_bytes_per_sample),
+            "sparse_rows_per_sample": int(layer.sparse_rows_per_sample),
+            "parallel_fraction": _round(alpha_value),
+            "time_ms": time_ms,
+        }
+        layer_entries.append(entry)
+
+    resources = []
+    for rtype in types:
+        bandwidth, latency = rtype.bandwidth_gbps, rtype.latency_ms
+        sel = measurements[(measurements["kind"] == "transfer") & (measurements["resource"] == rtype.name)]
+        if not sel.empty:
+            medians = sel.groupby("nbytes")["ms"].median()
+            fit = fit_line(medians.index.to_numpy(dtype=float), medians.to_numpy())
+            lat, ms_per_byte = clamp_non_negative(fit)
+            # The intercept is a whole message (both ends); DESIGN.md §3 charges latency on each side.
+            latency = lat / 2.0
+            if ms_per_byte > 0:
+                bandwidth = 1.0 / ms_per_byte / _BYTES_PER_MS_PER_GBPS
+            row = _quality_row("transfer", "", rtype.name, fit, lat, ms_per_byte, "byte")
+            row["bandwidth_gbps"] = bandwidth
+            rows.append(row)
+        io = float(rtype.io_bandwidth_gbps or rtype.bandwidth_gbps)
+        sel = measurements[(measurements["kind"] == "input") & (measurements["resource"] == rtype.name)]
+        if not sel.empty and input_bytes_per_sample > 0:
+            # Reading includes parsing and hashing: the rate at which batches come out, in Gbit/s.
+            bytes_per_ms = sel["rows"] * input_bytes_per_sample / sel["ms"]
+            io = float(bytes_per_ms.median()) / _BYTES_PER_MS_PER_GBPS
+            spread = float(bytes_per_ms.std() / bytes_per_ms.median()) if len(sel) > 1 else 0.0
+            rows.append(
+                {
+                    "what": "input",
+                    "layer": "",
+                    "resource": rtype.name,
+                    "io_bandwidth_gbps": io,
+                    "max_rel_residual": spread,
+                    "flags": f"read-rate spread {spread:.0%} over repeats" if spread > 0.25 else "",
+                }
+            )
+        resources.append(
+            {
+                "name": rtype.name,
+                "price_per_hour": float(rtype.price_per_hour),
+                "max_instances": int(rtype.max_instances),
+                "bandwidth_gbps": _round(bandwidth),
+                "io_bandwidth_gbps": _round(io),
+                "latency_ms": _round(latency),
+                "device": rtype.device,
+            }
+        )
+
+    ps_name = ps_resource or cluster.ps_resource
+    if ps_name not in [t.name for t in types]:
+        ps_name = types[0].name
+    ps: dict[str, Any] = {"resource": ps_name, "min_shards": int(cluster.ps.min_shards)}
+    runtime: dict[str, Any] = {"dense_params": {layer.name: int(layer.dense_params) for layer in layers}}
+    sel = measurements[measurements["kind"] == "ps"]
+    if not sel.empty:
+        runtime["ps_pull_share"] = _round(float((sel["forward_ms"] / sel["ms"]).median()))
+        rates = sel["rows"] * sel["calls"] / (sel["ms"] / 1000.0)
+        rate = float(rates.median())
+        ps["rows_per_second_per_shard"] = _round(rate)
+        spread = float(rates.std() / rate) if len(rates) > 1 else 0.0
+        rows.append(
+            {
+                "what": "ps",
+                "layer": "",
+                "resource": ps_name,
+                "r2": None,
+                "fixed_ms": None,
+                "slope_ms": None,
+                "rows_per_second": rate,
+                "max_rel_residual": spread,
+                "flags": f"rate spread {spread:.0%} over repeats" if spread > 0.25 else "",
+            }
+        )
+
+    sel = measurements[measurements["kind"] == "ps_dense"]
+    if not sel.empty:
+        runtime["dense_ms_per_param"] = _round(float((sel["ms"] / sel["calls"] / sel["rows"]).median()))
+    sel = measurements[
+        (measurements["kind"] == "layer") & (measurements["batch_size"] == _nearest(measurements, batch_size))
+    ]
+    if not sel.empty and sel["ms"].sum() > 0:
+        runtime["forward_fraction"] = _round(float(sel["forward_ms"].sum() / sel["ms"].sum()))
+
+    quality = pd.DataFrame(rows)
+    for row in rows:
+        if row.get("flags"):
+            flags.append(
+                f"{row['what']} {row['layer'] or ''} on {row['resource']}: {row['flags']}".replace("  ", " ")
+            )
+    problem = {
+        "name": name,
+        "batch_size": int(batch_size),
+        "samples": int(samples),
+        "throughput_min": float(throughput_min),
+        "input_bytes_per_sample": int(input_bytes_per_sample),
+        "resources": resources,
+        "ps": ps,
+        "layers": layer_entries,
+    }
+    return FitResult(
+        problem=problem, quality=quality, measurements=measurements, flags=flags, runtime=runtime
+    )
+
+
+def simulator_options(runtime: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :func:`heterps_ray.costmodel.simulator.simulate` from a fit's `runtime`."""
+    names = {
+        "ps_pull_share": "pull_share",
+        "dense_ms_per_param": "dense_ms_per_param",
+        "dense_params": "dense_params",
+        "forward_fraction": "forward_fraction",
+    }
+    return {names[k]: v for k, v in runtime.items() if k in names}
+
+
+def write_problem(result: FitResult, path: str | Path, header: str = "") -> dict[str, Path]:
+    """Write the problem YAML (fit flags as a comment on top), the raw measurements as Parquet
+    and the quality table as CSV beside it; returns the paths written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {line}" for line in header.splitlines()]
+    if result.flags:
+        lines.append(f"# POOR FITS ({len(result.flags)}), see {path.stem}.fit.csv:")
+        lines += [f"#   {flag}" for flag in result.flags]
+    else:
+        lines.append(f"# every fit has R² >= {R2_POOR} and non-negative coefficients ({path.stem}.fit.csv)")
+    text = "\n".join(lines) + "\n" + yaml.safe_dump(result.problem, sort_keys=False, width=110)
+    path.write_text(text)
+    raw = path.with_name(f"{path.stem}.measurements.parquet")
+    quality = path.with_name(f"{path.stem}.fit.csv")
+    runtime = runtime_path(path)
+    result.measurements.to_parquet(raw, index=False)
+    result.quality.to_csv(quality, index=False)
+    runtime.write_text(
+        "# Measured details the problem format has no field for; `heterps simulate` reads them.\n"
+        + yaml.safe_dump(result.runtime, sort_keys=False)
+    )
+    return {"problem": path, "measurements": raw, "quality": quality, "runtime": runtime}
+
+
+def runtime_path(problem_path: str | Path) -> Path:
+    """Where :func:`write_problem` puts the simulator extras of a problem file."""
+    path = Path(problem_path)
+    return path.with_name(f"{path.stem}.runtime.yaml")
+
+
+def _nearest(measurements: pd.DataFrame, batch_size: int) -> int:
+    sizes = measurements.loc[measurements["kind"] == "layer", "batch_size"].unique()
+    if len(sizes) == 0:
+        return batch_size
+    return int(sizes[np.argmin(np.abs(sizes - batch_size))])
+
+
+def _alpha(measurements: pd.DataFrame, layer: str, resource: str) -> tuple[float | None, float | None]:
+    """Parallel fraction from the call rates of 1 actor and of 2 concurrent actors running the layer."""
+    sel = measurements[
+        (measurements["kind"] == "layer_pair")
+        & (measurements["layer"] == layer)
+        & (measurements["resource"] == resource)
+    ]
+    if sel.empty or not {1, 2} <= set(sel["replicas"]):
+        return None, None
+    # Calls per ms of all actors of one run together, median over repeats.
+    rates = (sel["calls"] / sel["ms"]).groupby([sel["replicas"], sel["repeat"]]).sum()
+    speedup = float(rates.loc[2].median() / rates.loc[1].median())
+    return parallel_fraction(speedup), speedup
+
+
+def _quality_row(
+    what: str, layer: str, resource: str, fit: LinearFit, a: float, b: float, unit: str
+) -> dict[str, Any]:
+    problems = []
+    if fit.r2 < R2_POOR:
+        problems.append(f"R² {fit.r2:.3f} < {R2_POOR}")
+    if fit.negative:
+        problems.append(
+            f"negative coefficient ({fit.intercept:.4g}, {fit.slope:.4g}) clamped to ({a:.4g}, {b:.4g})"
+        )
+    return {
+        "what": what,
+        "layer": layer,
+        "resource": resource,
+        "r2": fit.r2,
+        "fixed_ms": a,
+        "slope_ms": b,
+        "slope_per": unit,
+        "raw_intercept": fit.intercept,
+        "raw_slope": fit.slope,
+        "max_rel_residual": fit.max_rel_residual,
+        "residuals_ms": " ".join(f"{r:+.4f}" for r in fit.residuals),
+        "flags": "; ".join(problems),
+    }
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def _round(value: float) -> float:
+    """Six significant digits keep the YAML readable without losing anything measurable."""
+    return float(f"{value:.6g}")

@@ -1,0 +1,521 @@
+"""Live profiling: measure a model's layers, the PS and the links on every resource type of a Ray cluster.
+
+One pair of actors per resource type present in the cluster (pinned by the type's Ray resources,
+torch threads set, ``cuda`` where the type is a GPU type and a GPU is visible) runs every layer
+forward and backward (plus its Adam step) at several batch sizes, with warm-up and repeats; the
+same layer on one actor and on both at once gives the parallel fraction; messages of several sizes
+between actors give each type's bandwidth and latency; a real :class:`~heterps_ray.ps.shard.PSShard`
+gives the PS service rate. :func:`heterps_ray.profiling.fit.fit_problem` turns the measurements into
+a problem file.
+
+Example::
+
+    ray.init(resources=job.cluster.local_resources())
+    result = profile(job, ProfileSettings(repeats=5))
+    write_problem(result, "problem.yaml")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import ray
+
+from heterps_ray.config import JobConfig, ResourceType
+from heterps_ray.errors import ConfigError
+from heterps_ray.models import ModelSpec, build_model
+from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
+
+_BYTES_PER_MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How much to measure; the defaults profile ctr_dnn on the local cluster in well under a minute."""
+
+    batch_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    warmup: int = 2
+    """untimed calls before each timed series"""
+    repeats: int = 5
+    """timed calls per (layer, type, batch size); the fit uses their median"""
+    pair_repeats: int = 3
+    """1- vs 2-replica wall-time runs per (layer, type)"""
+    pair_ms: float = 60.0
+    """each 1-/2-replica run repeats the layer on each actor for this long"""
+    transfer_bytes: tuple[int, ...] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+    ps_calls: int = 8
+    """pull+push requests per PS repeat"""
+    ps_repeats: int = 3
+    input_rows: int = 1 << 16
+    """rows read per input-rate repeat: one chunk of heterps_ray.data.dataset (it converts 65,536 at a time)"""
+    seed: int = 0
+    progress: bool = True
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> ProfileSettings:
+        """A fast, rough profile (2 rounds, short runs, fewer sizes): for smoke tests, not for planning."""
+        fields: dict[str, Any] = {
+            "repeats": 2,
+            "warmup": 1,
+            "pair_repeats": 1,
+            "pair_ms": 20.0,
+            "transfer_bytes": (4 << 10, 256 << 10, 1 << 20),
+            "ps_calls": 4,
+            "ps_repeats": 1,
+            "input_rows": 2048,
+        }
+        return cls(**{**fields, **overrides})
+
+    def scaled(self, factor: int) -> ProfileSettings:
+        """More repeats everywhere (``heterps profile --repeat-factor``)."""
+        return ProfileSettings(
+            batch_sizes=self.batch_sizes,
+            warmup=self.warmup,
+            repeats=self.repeats * factor,
+            pair_repeats=self.pair_repeats * factor,
+            pair_ms=self.pair_ms,
+            transfer_bytes=self.transfer_bytes,
+            ps_calls=self.ps_calls,
+            ps_repeats=self.ps_repeats * factor,
+            input_rows=self.input_rows,
+            seed=self.seed,
+            progress=self.progress,
+        )
+
+
+@dataclass
+class _Row:
+    kind: str
+    resource: str
+    peer: str = ""
+    layer: str = ""
+    batch_size: int = 0
+    nbytes: int = 0
+    rows: int = 0
+    replicas: int = 1
+    calls: int = 1
+    repeat: int = 0
+    forward_ms: float = math.nan
+    backward_ms: float = math.nan
+    ms: float = math.nan
+
+
+@dataclass
+class ProfileRun:
+    """What a profile measured, before fitting: the rows and where the actors ran."""
+
+    measurements: pd.DataFrame
+    actors: list[dict[str, Any]] = field(default_factory=list)
+    skipped_types: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class LayerProfiler:
+    """Runs single layers of a model forward + backward; one per actor (the narrow actor API)."""
+
+    def __init__(self, model: dict[str, Any], seed: int, torch_threads: int, device: str):
+        import torch
+
+        from heterps_ray.config import ModelConfig
+
+        torch.set_num_threads(torch_threads)
+        self._torch = torch
+        want_cuda = device == "cuda" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if want_cuda else "cpu")
+        self.spec = build_model(ModelConfig(**model))
+        self.layers = [self.spec.build(i, i + 1, seed).to(self.device) for i in range(self.spec.num_layers)]
+        self.optimizers = [
+            torch.optim.Adam(layer.parameters(), lr=1e-3) if any(True for _ in layer.parameters()) else None
+            for layer in self.layers
+        ]
+        self._inputs: dict[int, list[tuple[Any, ...]]] = {}
+        self._grads: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "torch_threads": self._torch.get_num_threads(),
+            "resources": ray.get_runtime_context().get_assigned_resources(),
+        }
+
+    def time_layers(self, items: list[tuple[int, int]], warmup: int, seed: int) -> list[tuple[float, float]]:
+        """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item,
+        in a shuffled order (so a burst of noise from elsewhere does not hit one item's repeats)."""
+        for index, batch_size in items:
+            for _ in range(warmup):
+                self._step(index, batch_size)
+        order = np.random.default_rng(seed).permutation(len(items))
+        out: list[tuple[float, float]] = [(0.0, 0.0)] * len(items)
+        for i in order:
+            out[i] = self._step(*items[i])
+        return out
+
+    def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
+        """Run layer `index` forward + backward for about `budget_ms`; returns (calls, ms), for the
+        1- vs 2-replica comparison."""
+        start = time.perf_counter()
+        calls, elapsed = 0, 0.0
+        while calls < 2 or elapsed < budget_ms:
+            self._step(index, batch_size)
+            calls += 1
+            elapsed = (time.perf_counter() - start) * 1000.0
+        return calls, elapsed
+
+    def send(self, peer: Any, nbytes: int, repeats: int) -> list[float]:
+        """Send `nbytes` to actor `peer` `repeats` times (after one warm-up); ms per message,
+        measured here from the call until the peer has received it."""
+        payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+        ray.get(peer.receive.remote(payload))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ray.get(peer.receive.remote(payload))
+            times.append((time.perf_counter() - start) * 1000.0)
+        return times
+
+    def receive(self, payload: np.ndarray) -> int:
+        return int(payload[-1] > 0) + int(payload.nbytes)
+
+    def ps_round_trips(
+        self, shards: list[Any], keys: np.ndarray, dim: int, calls: int
+    ) -> tuple[float, float]:
+        """(pull ms, push ms) summed over `calls` requests of `keys` through a PSClient, as a
+        DataWorker makes them (each waited for)."""
+        from heterps_ray.ps.shard import PSClient
+
+        client = PSClient(shards)
+        grads = np.full((*keys.shape, dim), 1e-3, dtype=np.float32)
+        client.pull("embedding", keys)  # warm-up: creates the rows
+        ray.get(client.push("embedding", keys, grads))
+        pull_ms = push_ms = 0.0
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            client.pull("embedding", keys)
+            t1 = time.perf_counter()
+            ray.get(client.push("embedding", keys, grads))
+            t2 = time.perf_counter()
+            pull_ms += (t1 - t0) * 1000.0
+            push_ms += (t2 - t1) * 1000.0
+        return pull_ms, push_ms
+
+    def dense_pushes(self, shard: Any, params: int, calls: int) -> float:
+        """ms for `calls` async-mode dense pushes (Adam on the PS) of a table of `params` floats."""
+        grads = {"w": np.full(params, 1e-3, dtype=np.float32)}
+        ray.get(
+            shard.register_dense.remote("profile", {"w": np.zeros(params, dtype=np.float32)}, "adam", 1e-3)
+        )
+        ray.get(shard.push_dense.remote("profile", grads))
+        start = time.perf_counter()
+        for _ in range(calls):
+            ray.get(shard.push_dense.remote("profile", grads))
+        return (time.perf_counter() - start) * 1000.0
+
+    def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float]:
+        """(rows, ms) to read and convert `rows` rows of a dataset into batches, as a DataWorker does
+        (the dataset converts whole chunks, so `rows` should be a chunk or the whole split)."""
+        from heterps_ray.data.dataset import Dataset
+
+        dataset = Dataset(path)
+        dataset.num_rows("train")  # imports and file metadata are a one-time cost, not per row
+        done = 0
+        start = time.perf_counter()
+        for batch in dataset.iter_batches("train", batch_size, drop_last=False):
+            done += len(batch["label"])
+            if done >= rows:
+                break
+        return done, (time.perf_counter() - start) * 1000.0
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _step(self, index: int, batch_size: int) -> tuple[float, float]:
+        torch = self._torch
+        inputs = self._layer_inputs(batch_size)[index]
+        for x in inputs:
+            x.grad = None
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        out = self.layers[index](inputs)
+        sync()
+        t1 = time.perf_counter()
+        key = (index, batch_size)
+        if key not in self._grads:
+            self._grads[key] = tuple(torch.randn_like(o) for o in out)
+        torch.autograd.backward(out, self._grads[key])
+        optimizer = self.optimizers[index]
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        sync()
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
+
+    def _layer_inputs(self, batch_size: int) -> list[tuple[Any, ...]]:
+        """The input of every layer at `batch_size`: random model inputs run through the chain once."""
+        if batch_size not in self._inputs:
+            torch = self._torch
+            gen = torch.Generator().manual_seed(batch_size)
+            spec = self.spec
+            x: tuple[Any, ...] = (
+                torch.randn(batch_size, spec.num_dense, generator=gen),
+                torch.randn(batch_size, spec.num_slots, spec.embedding_dim, generator=gen) * 0.01,
+            )
+            inputs = []
+            with torch.no_grad():
+                for layer in self.layers:
+                    x = tuple(t.to(self.device) for t in x)
+                    inputs.append(tuple(_leaf(t) for t in x))
+                    x = layer(x)
+            self._inputs[batch_size] = inputs
+        return self._inputs[batch_size]
+
+
+def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResult:
+    """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file."""
+    settings = settings or ProfileSettings()
+    spec = build_model(job.model)
+    run = measure(job, spec, settings)
+    layers = [
+        LayerInfo(
+            layer.name,
+            layer.out_bytes_per_sample,
+            layer.sparse_rows_per_sample,
+            layer.parallel_fraction,
+            layer.dense_params,
+        )
+        for layer in spec.layers
+    ]
+    result = fit_problem(
+        run.measurements,
+        cluster=job.cluster,
+        layers=layers,
+        batch_size=job.batch_size,
+        samples=job.samples,
+        throughput_min=job.throughput_min,
+        name=f"{spec.name} on {job.cluster.name} (profiled)",
+        input_bytes_per_sample=spec.input_bytes_per_sample,
+    )
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in run.actors})
+    notes = [
+        f"measured {stamp} by `heterps profile` ({job.name}): batch sizes {list(settings.batch_sizes)}, "
+        f"{settings.warmup} warm-up + {settings.repeats} repeats (median); actors {'; '.join(devices)}",
+        *run.notes,
+    ]
+    if result.flags:
+        notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
+    result.problem["notes"] = "\n".join(notes)
+    return result
+
+
+def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> ProfileRun:
+    """Take every measurement on the live cluster; returns the raw rows (columns :data:`COLUMNS`)."""
+    from tqdm.auto import tqdm
+
+    available = ray.cluster_resources()
+    present = [t for t in job.cluster.resource_types if available.get(t.name, 0) >= 1]
+    skipped = [t.name for t in job.cluster.resource_types if t not in present]
+    if not present:
+        raise ConfigError(
+            None,
+            "cluster.resource_types",
+            f"at least one type declared as a Ray resource on the cluster (cluster has {sorted(available)})",
+            [t.name for t in job.cluster.resource_types],
+        )
+    actor_cls = ray.remote(LayerProfiler)
+    model = {"name": job.model.name, **job.model.params}
+    actors: dict[str, list[Any]] = {}
+    for rtype in present:
+        count = 2 if rtype.max_instances >= 2 and available.get(rtype.name, 0) >= 2 else 1
+        actors[rtype.name] = [
+            actor_cls.options(**rtype.actor_options()).remote(
+                model, settings.seed, rtype.torch_threads, rtype.device
+            )
+            for _ in range(count)
+        ]
+    described = []
+    for name, group in actors.items():
+        for info in ray.get([a.describe.remote() for a in group]):
+            described.append({"type": name, **info})
+
+    rows: list[_Row] = []
+    notes: list[str] = []
+    load_before = os.getloadavg()[0]
+    pair_batch = min(job.batch_size, max(settings.batch_sizes))
+    num_layers = spec.num_layers
+    total = (
+        len(present) * (settings.repeats + num_layers)
+        + len(present) * len(present) * len(settings.transfer_bytes)
+        + 2
+    )
+    bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
+    try:
+        items = [(i, b) for i in range(num_layers) for b in settings.batch_sizes]
+        for rtype in present:
+            first = actors[rtype.name][0]
+            for rep in range(settings.repeats):
+                bar.set_postfix_str(f"{rtype.name} layers, round {rep + 1}/{settings.repeats}")
+                warmup = settings.warmup if rep == 0 else 0
+                timed = ray.get(first.time_layers.remote(items, warmup, settings.seed + rep))
+                for (index, batch_size), (fwd, bwd) in zip(items, timed, strict=True):
+                    rows.append(
+                        _Row("layer", rtype.name, layer=spec.layers[index].name, batch_size=batch_size,
+                             repeat=rep, forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
+                    )  # fmt: skip
+                bar.update()
+            for index, layer in enumerate(spec.layers):
+                bar.set_postfix_str(f"{rtype.name} {layer.name} 1 vs 2 replicas")
+                rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings)
+                bar.update()
+        for sender in present:
+            for receiver in present:
+                src = actors[sender.name][0]
+                peers = actors[receiver.name]
+                dst = peers[-1] if receiver.name == sender.name else peers[0]
+                if dst is src:
+                    notes.append(
+                        f"no second {sender.name} actor: {sender.name}->{sender.name} transfers not measured"
+                    )
+                    bar.update(len(settings.transfer_bytes))
+                    continue
+                for nbytes in settings.transfer_bytes:
+                    bar.set_postfix_str(f"{sender.name}->{receiver.name} {nbytes / _BYTES_PER_MB:.2f} MB")
+                    for rep, ms in enumerate(ray.get(src.send.remote(dst, nbytes, settings.repeats))):
+                        rows.append(
+                            _Row(
+                                "transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms
+                            )
+                        )
+                    bar.update()
+        bar.set_postfix_str("PS shard")
+        rows += _ps_runs(job, spec, present, actors, settings)
+        bar.update()
+        bar.set_postfix_str("input read rate")
+        rows += _input_runs(job, present, actors, settings)
+        bar.update()
+    finally:
+        bar.close()
+        for group in actors.values():
+            for actor in group:
+                ray.kill(actor)
+    if skipped:
+        notes.append(f"resource types not in the cluster, not profiled: {skipped}")
+    # Other processes on the machine inflate (and scatter) every time measured here; say how busy it was.
+    notes.append(
+        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)"
+    )
+    frame = pd.DataFrame([r.__dict__ for r in rows], columns=list(COLUMNS))
+    return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes)
+
+
+def _pair_runs(
+    group: list[Any], rtype: ResourceType, index: int, layer: str, batch_size: int, settings: ProfileSettings
+) -> list[_Row]:
+    """The same layer for a fixed time on one actor, then on two actors at once: one row per actor
+    with its calls and ms (the fit compares the summed call rates)."""
+    if len(group) < 2:
+        return []
+    ray.get([a.run_layer.remote(index, batch_size, 0.0) for a in group])  # warm both
+    out = []
+    for rep in range(settings.pair_repeats):
+        for replicas in (1, 2):
+            results = ray.get(
+                [a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]]
+            )
+            for calls, ms in results:
+                out.append(
+                    _Row("layer_pair", rtype.name, layer=layer, batch_size=batch_size, replicas=replicas,
+                         calls=calls, repeat=rep, ms=ms)
+                )  # fmt: skip
+    return out
+
+
+def _ps_runs(
+    job: JobConfig,
+    spec: ModelSpec,
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+) -> list[_Row]:
+    """Rows/s of pull+push through one real PS shard on the PS type, from a first-stage actor."""
+    from heterps_ray.ps.shard import TableSpec, start_shards
+
+    names = [t.name for t in present]
+    ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
+    ps_type = job.cluster.type(ps_name)
+    shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, ps_type.actor_options())
+    micro_batch = job.batch_size // job.runtime.micro_batches
+    keys = _synthetic_keys(micro_batch, spec.num_slots, settings.seed)
+    rows_per_call = int(keys.size)
+    client = actors[ps_name][0]
+    out = []
+    dense_params = max(spec.dense_params, 1)
+    try:
+        for rep in range(settings.ps_repeats):
+            pull, push = ray.get(
+                client.ps_round_trips.remote(shards, keys, spec.embedding_dim, settings.ps_calls)
+            )
+            out.append(_Row("ps", ps_name, rows=rows_per_call, calls=settings.ps_calls, repeat=rep,
+                            forward_ms=pull, backward_ms=push, ms=pull + push, batch_size=micro_batch))  # fmt: skip
+            ms = ray.get(client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls))
+            out.append(
+                _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
+            )
+    finally:
+        for shard in shards:
+            ray.kill(shard)
+    return out
+
+
+def _input_runs(
+    job: JobConfig, present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings
+) -> list[_Row]:
+    """Read rate of the job's dataset on each type (a small synthetic one when it has none yet)."""
+    import tempfile
+
+    from heterps_ray.data.dataset import Dataset
+
+    path = Path(job.data.path)
+    scratch = None
+    if not (path / "meta.json").exists():
+        from heterps_ray.data.synth import synthesize
+
+        scratch = tempfile.TemporaryDirectory(prefix="heterps-profile-")
+        path = Path(scratch.name) / "data"
+        synthesize(path, settings.input_rows, seed=settings.seed)
+    try:
+        rows = min(Dataset(path).num_rows("train"), settings.input_rows)
+        out = []
+        for rtype in present:
+            for rep in range(settings.ps_repeats):
+                done, ms = ray.get(actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows))
+                out.append(_Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms))
+        return out
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _synthetic_keys(batch_size: int, num_slots: int, seed: int) -> np.ndarray:
+    """Criteo-like keys: per slot a Zipf-distributed id (a few hot values, a long tail), slot mixed in."""
+    rng = np.random.default_rng(seed)
+    ids = rng.zipf(1.2, size=(batch_size, num_slots)) % 1_000_003
+    slots = np.arange(num_slots, dtype=np.int64)[None, :]
+    return (ids.astype(np.int64) * 1_000_003 + slots * 7_919) ^ np.int64(0x2545F4914F6CDD1D)
+
+
+def _leaf(t: Any) -> Any:
+    """A detached copy that collects a gradient (float tensors only)."""
+    leaf = t.detach().clone()
+    if leaf.is_floating_point():
+        leaf.requires_grad_(True)
+    return leaf

@@ -1,0 +1,294 @@
+"""Parameter-server shards: Ray actors that each own a hash partition of every sparse table, plus
+the dense parameter tables of async-mode stages.
+
+Key -> shard is :func:`shard_of`: the high 32 bits of ``splitmix64(key XOR 0x5ba4d5a2e1f3c7b9)``
+modulo the shard count. It is salted so it does not correlate with the low bits the
+:class:`~heterps_ray.ps.table.SparseTable` hash index uses inside a shard, and it is not Python's
+``hash()`` (salted per process). Rows are created from (key, seed) only, so a model trained with
+1, 2 or 4 shards is the same model.
+
+Workers talk to the shards through a :class:`PSClient`: it de-duplicates keys, splits them by
+shard, sends one call per shard and reassembles the rows in the caller's order.
+
+Example::
+
+    shards = start_shards(2, {"embedding": TableSpec(dim=9)}, actor_options={"num_cpus": 0.25})
+    client = PSClient(shards)
+    rows = client.pull("embedding", batch["keys"])          # float32[B, 26, 9]
+    client.push("embedding", batch["keys"], grads)          # returns the per-shard ObjectRefs
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from heterps_ray.ps.table import SparseTable, splitmix64
+
+_SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
+# torch.optim.Adam defaults, so a dense table on the PS steps exactly like the reference's Adam.
+_ADAM_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """Shard index (int64) of each key; a pure function of (key, num_shards)."""
+    mixed = splitmix64(np.ascontiguousarray(keys, dtype=np.int64).ravel().view(np.uint64) ^ _SHARD_SALT)
+    return ((mixed >> np.uint64(32)) % np.uint64(num_shards)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """How to create one sparse table (every shard holds a partition of it)."""
+
+    dim: int
+    seed: int = 0
+    lr: float = 0.05
+    init_accumulator: float = 0.1
+    init_scale: float = 0.01
+
+
+class _DenseTable:
+    """Dense parameters of one stage with their optimizer (Adam as torch.optim.Adam, or SGD)."""
+
+    def __init__(self, params: dict[str, np.ndarray], optimizer: str, lr: float):
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"dense optimizer must be adam or sgd (got {optimizer!r})")
+        self.optimizer, self.lr = optimizer, lr
+        self.params = {k: np.array(v, dtype=np.float32) for k, v in params.items()}
+        self.exp_avg = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.exp_avg_sq = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.version = 0  # number of updates applied
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        self.version += 1
+        if self.optimizer == "sgd":
+            for k, g in grads.items():
+                self.params[k] -= np.float32(self.lr) * g
+            return self.version
+        beta1, beta2 = _ADAM_BETAS
+        bias1 = 1.0 - beta1**self.version
+        bias2 = 1.0 - beta2**self.version
+        for k, g in grads.items():
+            m, v = self.exp_avg[k], self.exp_avg_sq[k]
+            m *= beta1
+            m += (1.0 - beta1) * g
+            v *= beta2
+            v += (1.0 - beta2) * g * g
+            denom = np.sqrt(v) / np.sqrt(bias2) + _ADAM_EPS
+            self.params[k] -= (self.lr / bias1) * m / denom
+        return self.version
+
+    def state(self, prefix: str) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {f"{prefix}/version": np.array(self.version, dtype=np.int64)}
+        for k in self.params:
+            out[f"{prefix}/param/{k}"] = self.params[k]
+            out[f"{prefix}/exp_avg/{k}"] = self.exp_avg[k]
+            out[f"{prefix}/exp_avg_sq/{k}"] = self.exp_avg_sq[k]
+        return out
+
+    def load_state(self, prefix: str, state: dict[str, np.ndarray]) -> None:
+        self.version = int(state[f"{prefix}/version"])
+        for k in self.params:
+            self.params[k] = np.array(state[f"{prefix}/param/{k}"], dtype=np.float32)
+            self.exp_avg[k] = np.array(state[f"{prefix}/exp_avg/{k}"], dtype=np.float32)
+            self.exp_avg_sq[k] = np.array(state[f"{prefix}/exp_avg_sq/{k}"], dtype=np.float32)
+
+
+class PSShard:
+    """One shard: a SparseTable per sparse table name (its hash partition) and whole dense tables.
+
+    Run it as a Ray actor (:func:`start_shards`); methods take and return numpy arrays.
+    """
+
+    def __init__(self, index: int, num_shards: int, tables: dict[str, TableSpec]):
+        self.index, self.num_shards = index, num_shards
+        self._specs = dict(tables)
+        self._tables = {name: SparseTable(**asdict(spec)) for name, spec in tables.items()}
+        self._dense: dict[str, _DenseTable] = {}
+        self._counts = {"pulls": 0, "pushes": 0, "keys_pulled": 0, "keys_pushed": 0, "dense_pushes": 0}
+        self._busy_s = 0.0
+        self._started = time.perf_counter()
+
+    def describe(self) -> dict[str, Any]:
+        """Where this shard runs: its index, pid and the Ray resources it was given."""
+        return _placement(role="ps", index=self.index)
+
+    # -- sparse -------------------------------------------------------------------------------
+
+    def pull(self, table: str, keys: np.ndarray, create: bool = True) -> np.ndarray:
+        """Rows for `keys` (all of this shard's partition), float32[n, dim]."""
+        t0 = time.perf_counter()
+        rows = self._tables[table].pull(keys, create=create)
+        self._counts["pulls"] += 1
+        self._counts["keys_pulled"] += len(keys)
+        self._busy_s += time.perf_counter() - t0
+        return rows
+
+    def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
+        """Adagrad step with the summed gradient of each key; returns the number of keys pushed."""
+        t0 = time.perf_counter()
+        self._tables[table].push(keys, grads)
+        self._counts["pushes"] += 1
+        self._counts["keys_pushed"] += len(keys)
+        self._busy_s += time.perf_counter() - t0
+        return len(keys)
+
+    # -- dense (async mode) ---------------------------------------------------------------------
+
+    def register_dense(self, name: str, params: dict[str, np.ndarray], optimizer: str, lr: float) -> int:
+        """Create (or replace) a dense table with its initial values; returns its version (0)."""
+        self._dense[name] = _DenseTable(params, optimizer, lr)
+        return 0
+
+    def push_dense(self, name: str, grads: dict[str, np.ndarray]) -> int:
+        """One optimizer step on a dense table; returns its new version."""
+        t0 = time.perf_counter()
+        version = self._dense[name].apply(grads)
+        self._counts["dense_pushes"] += 1
+        self._busy_s += time.perf_counter() - t0
+        return version
+
+    def pull_dense(self, name: str) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, parameters) of a dense table."""
+        table = self._dense[name]
+        return table.version, table.params
+
+    # -- stats and state ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Rows, bytes, call counts, keys/s over busy time, and busy fraction since start."""
+        rows = {name: len(t) for name, t in self._tables.items()}
+        # weights + Adagrad accumulators (float32) + the key (int64) per row
+        nbytes = sum(len(t) * (2 * 4 * t.dim + 8) for t in self._tables.values())
+        nbytes += sum(sum(p.nbytes * 3 for p in d.params.values()) for d in self._dense.values())
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        keys = self._counts["keys_pulled"] + self._counts["keys_pushed"]
+        return {
+            "index": self.index,
+            "rows": rows,
+            "bytes": nbytes,
+            **self._counts,
+            "dense_versions": {name: d.version for name, d in self._dense.items()},
+            "keys_per_s": keys / max(self._busy_s, 1e-9),
+            "busy": self._busy_s / elapsed,
+        }
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Everything this shard holds as flat named numpy arrays (no pickled objects)."""
+        out: dict[str, np.ndarray] = {
+            "shard/index": np.array(self.index, dtype=np.int64),
+            "shard/num_shards": np.array(self.num_shards, dtype=np.int64),
+        }
+        for name, table in self._tables.items():
+            for k, v in table.state().items():
+                out[f"sparse/{name}/{k}"] = v
+        for name, dense in self._dense.items():
+            out.update(dense.state(f"dense/{name}"))
+        return out
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore a :meth:`state` of a shard with the same index and shard count."""
+        if int(state["shard/index"]) != self.index or int(state["shard/num_shards"]) != self.num_shards:
+            raise ValueError(
+                f"state is of shard {int(state['shard/index'])}/{int(state['shard/num_shards'])}, "
+                f"not {self.index}/{self.num_shards}"
+            )
+        for name, table in self._tables.items():
+            prefix = f"sparse/{name}/"
+            table.load_state({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        for name, dense in self._dense.items():
+            dense.load_state(f"dense/{name}", state)
+
+    def snapshot(self, path: str) -> str:
+        """Write :meth:`state` to `path` as an .npz (np.savez; read back with allow_pickle=False)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        arrays: dict[str, Any] = self.state()
+        with open(target, "wb") as f:
+            np.savez(f, **arrays)
+        return str(target)
+
+    def restore(self, path: str) -> None:
+        """Load a :meth:`snapshot` file."""
+        with np.load(path, allow_pickle=False) as data:
+            self.load_state({k: data[k] for k in data.files})
+
+
+def _placement(**fields: Any) -> dict[str, Any]:
+    """What the running actor was given by Ray: node, pid and assigned resources."""
+    import os
+
+    ctx = ray.get_runtime_context()
+    return {
+        **fields,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "actor_id": ctx.get_actor_id(),
+        "resources": ctx.get_assigned_resources(),
+    }
+
+
+def start_shards(num_shards: int, tables: dict[str, TableSpec], actor_options: dict[str, Any]) -> list[Any]:
+    """Start `num_shards` PSShard actors with `actor_options` (e.g. a resource type's)."""
+    actor = ray.remote(PSShard)
+    return [
+        actor.options(name=None, max_concurrency=1, **actor_options).remote(i, num_shards, tables)
+        for i in range(num_shards)
+    ]
+
+
+class PSClient:
+    """Pulls and pushes sparse rows across shards: one call per shard, keys de-duplicated."""
+
+    def __init__(self, shards: list[Any]):
+        if not shards:
+            raise ValueError("a PSClient needs at least one shard")
+        self.shards = list(shards)
+
+    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        unique, inverse = np.unique(np.ascontiguousarray(keys, dtype=np.int64).ravel(), return_inverse=True)
+        owner = shard_of(unique, len(self.shards))
+        positions = [np.flatnonzero(owner == s) for s in range(len(self.shards))]
+        return unique, inverse, positions
+
+    def pull(self, table: str, keys: np.ndarray, create: bool = True) -> np.ndarray:
+        """Rows for `keys` of any shape: float32[*keys.shape, dim]."""
+        keys = np.asarray(keys)
+        unique, inverse, positions = self._split(keys)
+        refs = {
+            s: self.shards[s].pull.remote(table, unique[pos], create)
+            for s, pos in enumerate(positions)
+            if len(pos)
+        }
+        parts = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        dim = next(iter(parts.values())).shape[1]
+        rows = np.empty((len(unique), dim), dtype=np.float32)
+        for s, part in parts.items():
+            rows[positions[s]] = part
+        return rows[inverse].reshape(*keys.shape, dim)
+
+    def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> list[Any]:
+        """Sum the gradients of equal keys here (float64), send each shard its part; returns refs."""
+        keys = np.asarray(keys)
+        unique, inverse, positions = self._split(keys)
+        flat = np.asarray(grads, dtype=np.float32).reshape(len(inverse), -1)
+        summed = np.empty((len(unique), flat.shape[1]), dtype=np.float32)
+        for column in range(flat.shape[1]):
+            summed[:, column] = np.bincount(inverse, weights=flat[:, column], minlength=len(unique))
+        return [
+            self.shards[s].push.remote(table, unique[pos], summed[pos])
+            for s, pos in enumerate(positions)
+            if len(pos)
+        ]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([s.stats.remote() for s in self.shards])
+
+    def states(self) -> list[dict[str, np.ndarray]]:
+        return ray.get([s.state.remote() for s in self.shards])

@@ -1,0 +1,617 @@
+"""The actors of the pipeline: DataWorkers (data, stage 0 and orchestration) and StageWorkers
+(stages 1..S-1). Both are plain classes; the driver turns them into Ray actors pinned to their
+resource type.
+
+A DataWorker drives its own micro-batches without the driver: it runs stage 0 locally, then chains
+ObjectRefs through the StageWorkers (``forward`` ... last ``forward_backward`` ... ``backward`` in
+reverse), holding only refs. At most ``max_in_flight`` micro-batches are in flight; backward calls
+are submitted ``max_in_flight - 1`` micro-batches behind their forward calls (a 1F1B order), so every
+stage has forward work queued while a gradient travels back. Calls from one DataWorker run in
+submission order on every actor, which is what makes the sync mode's accumulate-then-step exact.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from heterps_ray.config import OptimizerConfig
+from heterps_ray.models import ModelSpec, loss_fn
+from heterps_ray.ps.shard import PSClient
+from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, pick_device, route, to_wire
+
+SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every worker of a run needs to know besides its stage."""
+
+    seed: int
+    mode: str  # "sync" | "async"
+    optimizer: OptimizerConfig
+    device: str  # the resource type's device kind: "cpu" | "cuda"
+    torch_threads: int
+    type_name: str
+    max_staleness: int = 0
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """A DataWorker's share of the data and how it is cut into batches."""
+
+    path: str
+    files: tuple[str, ...]
+    batch_size: int
+    micro_batches: int
+    epochs: int
+    max_in_flight: int
+
+
+def canonical_names(module: torch.nn.Module, model: ModelSpec) -> dict[str, str]:
+    """Parameter name in a stage module ("layers.0.linear.weight") -> name in the whole model
+    ("fc1.linear.weight"), so dense weights saved from any split of stages line up."""
+    first = getattr(module, "first", 0)
+    out = {}
+    for name, _ in module.named_parameters():
+        _, index, rest = name.split(".", 2)
+        out[name] = f"{model.layers[first + int(index)].name}.{rest}"
+    return out
+
+
+def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer | None:
+    """The dense optimizer of the reference trainer (Adam or SGD at dense_lr); None without params."""
+    if not params:
+        return None
+    if config.dense == "adam":
+        return torch.optim.Adam(params, lr=config.dense_lr)
+    return torch.optim.SGD(params, lr=config.dense_lr)
+
+
+def _placement(**fields: Any) -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {
+        **fields,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "resources": ctx.get_assigned_resources(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+class _Metrics:
+    """Ray metrics of one actor (exported by Ray's metrics agent; harmless when none runs)."""
+
+    def __init__(self, role: str, stage: int, replica: int):
+        from ray.util import metrics
+
+        self.tags = {"role": role, "stage": str(stage), "replica": str(replica)}
+        keys = tuple(self.tags)
+        self.samples = metrics.Counter("heterps_samples", "samples processed", tag_keys=keys)
+        self.busy = metrics.Gauge("heterps_busy_fraction", "fraction of wall time computing", tag_keys=keys)
+        self.queue = metrics.Gauge("heterps_queue_depth", "micro-batches waiting for backward", tag_keys=keys)
+        for m in (self.samples, self.busy, self.queue):
+            m.set_default_tags(self.tags)
+
+
+class _Busy:
+    """Accumulates time spent computing (busy) versus wall time since start."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.busy_s = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.busy_s += time.perf_counter() - self._t0
+
+    @property
+    def fraction(self) -> float:
+        return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
+
+
+class _DenseReplica:
+    """Async mode: the dense weights of a stage live on a PS shard. Each backward pushes its
+    gradients there; the replica pulls fresh weights when it is more than `max_staleness` versions
+    behind (Paddle's a_sync with bounded staleness). Weights are replaced through ``.data`` so
+    micro-batches already in flight finish their backward on the weights they started with."""
+
+    def __init__(
+        self, ps: Any, name: str, module: torch.nn.Module, names: dict[str, str], max_staleness: int
+    ):
+        self.ps, self.name, self.module, self.names = ps, name, module, names
+        self.max_staleness = max_staleness
+        self.version = 0  # version of the weights held locally
+        self.latest = 0  # newest version known to exist on the PS
+        self.pulls = 0
+        self.max_lag = 0  # most versions behind the newest known one when computing
+        self._last_push: Any = None
+
+    def update(self) -> None:
+        grads = {}
+        for local, p in self.module.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[self.names[local]] = g.detach().cpu().numpy()
+        if self._last_push is not None:
+            self.latest = max(self.latest, ray.get(self._last_push))
+        if self.latest - self.version > self.max_staleness:
+            self.pull()
+        self.max_lag = max(self.max_lag, self.latest - self.version)
+        self._last_push = self.ps.push_dense.remote(self.name, grads)
+        self.module.zero_grad(set_to_none=True)
+
+    def pull(self) -> None:
+        version, params = ray.get(self.ps.pull_dense.remote(self.name))
+        with torch.no_grad():
+            for local, p in self.module.named_parameters():
+                p.data.copy_(torch.from_numpy(np.array(params[self.names[local]])).to(p.device))
+        self.version = version
+        self.latest = max(self.latest, version)
+        self.pulls += 1
+
+    def flush(self) -> None:
+        if self._last_push is not None:
+            self.latest = max(self.latest, ray.get(self._last_push))
+            self._last_push = None
+
+
+class StageWorker:
+    """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
+    gradient comes back; the last stage computes the loss. Saved activations are keyed by
+    micro-batch id, so several DataWorkers can share a replica."""
+
+    def __init__(
+        self,
+        stage: StageSpec,
+        replica: int,
+        model: ModelSpec,
+        settings: WorkerSettings,
+        dense_ps: Any = None,
+    ):
+        torch.set_num_threads(settings.torch_threads)
+        self.stage, self.replica, self.settings = stage, replica, settings
+        self.device = pick_device(settings.device)
+        self.model = model
+        self.module = model.build(stage.start, stage.end, settings.seed).to(self.device)
+        self.names = canonical_names(self.module, model)
+        self.is_last = stage.end == model.num_layers
+        self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self._optimizer = None
+        self._dense: _DenseReplica | None = None
+        has_params = any(True for _ in self.module.parameters())
+        if settings.mode == "sync":
+            self._optimizer = make_optimizer(list(self.module.parameters()), settings.optimizer)
+        elif has_params:
+            self._dense = _DenseReplica(
+                dense_ps, dense_table_name(stage.index), self.module, self.names, settings.max_staleness
+            )
+            self._dense.pull()
+        self._busy = _Busy()
+        self._counts = {"forward": 0, "backward": 0, "samples": 0, "updates": 0, "peak_pending": 0}
+        self._metrics = _Metrics("stage", stage.index, replica)
+
+    def describe(self) -> dict[str, Any]:
+        return _placement(
+            role="stage",
+            stage=self.stage.index,
+            replica=self.replica,
+            type=self.settings.type_name,
+            device=str(self.device),
+            layers=list(self.stage.layers),
+        )
+
+    def forward(self, mb_id: int, x: Wire) -> Wire:
+        """Forward one micro-batch and keep what backward needs."""
+        with self._busy:
+            inputs = from_wire(x, self.device, requires_grad=True)
+            out = self.module(inputs)
+            self._saved[mb_id] = (inputs, out)
+            self._note_forward(len(inputs[0]))
+            return to_wire(out)
+
+    @ray.method(num_returns=2)
+    def forward_backward(
+        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool
+    ) -> tuple[Wire, float]:
+        """The last stage: forward, loss (times `scale`), backward; returns (input grads, loss)."""
+        with self._busy:
+            inputs = from_wire(x, self.device, requires_grad=True)
+            (logit,) = self.module(inputs)
+            loss = loss_fn(logit, torch.from_numpy(np.asarray(label)).to(self.device))
+            (loss * scale).backward()
+            self._note_forward(len(logit))
+            grads = to_wire([t.grad if t.requires_grad else None for t in inputs])
+            self._after_backward(step)
+            return grads, float(loss.detach())
+
+    def backward(self, mb_id: int, grads: Wire, step: bool) -> Wire:
+        """Backward one micro-batch with the gradient of its output; returns its input's gradient."""
+        with self._busy:
+            inputs, out = self._saved.pop(mb_id)
+            roots, seeds = [], []
+            for o, g in zip(out, grads, strict=True):
+                if g is not None and o.requires_grad:
+                    roots.append(o)
+                    seeds.append(torch.from_numpy(np.asarray(g)).to(self.device))
+            if roots:
+                torch.autograd.backward(roots, seeds)
+            self._after_backward(step)
+            return to_wire([t.grad if t.requires_grad else None for t in inputs])
+
+    def predict(self, x: Wire) -> Wire:
+        """Forward only (evaluation); nothing is kept."""
+        with self._busy, torch.no_grad():
+            return to_wire(self.module(from_wire(x, self.device)))
+
+    def _note_forward(self, samples: int) -> None:
+        self._counts["forward"] += 1
+        self._counts["samples"] += samples
+        self._counts["peak_pending"] = max(self._counts["peak_pending"], len(self._saved))
+        self._metrics.samples.inc(samples)
+        self._metrics.queue.set(len(self._saved))
+
+    def _after_backward(self, step: bool) -> None:
+        self._counts["backward"] += 1
+        if self._optimizer is not None and step:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self._counts["updates"] += 1
+        elif self._dense is not None:
+            self._dense.update()
+            self._counts["updates"] += 1
+
+    def refresh(self) -> int:
+        """Async mode: wait for the last push and load the newest weights (before evaluation)."""
+        if self._dense is not None:
+            self._dense.flush()
+            self._dense.pull()
+            return self._dense.version
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters; the driver diffs them per progress interval."""
+        self._metrics.busy.set(self._busy.fraction)
+        out = {
+            "stage": self.stage.index,
+            "replica": self.replica,
+            "busy_s": self._busy.busy_s,
+            "pending": len(self._saved),
+            **self._counts,
+        }
+        self._counts["peak_pending"] = len(self._saved)
+        if self._dense is not None:
+            out["dense_pulls"] = self._dense.pulls
+            out["dense_max_lag"] = self._dense.max_lag
+        return out
+
+    def dense_state(self) -> dict[str, np.ndarray]:
+        """The stage's dense weights under their whole-model names."""
+        return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
+
+
+def dense_table_name(stage_index: int) -> str:
+    return f"stage{stage_index}"
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch in flight: what stage 0 kept for its backward, and the refs it waits on."""
+
+    id: int
+    batch: int
+    keys: np.ndarray
+    dense: np.ndarray
+    label: np.ndarray
+    rows: slice  # where it sits in its batch
+    grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
+    loss_weight: float  # weight of its mean loss in the batch's reported loss
+    step: bool  # the last micro-batch of a sync batch: stages step their optimizers after it
+    route: list[int] = field(default_factory=list)
+    emb: torch.Tensor | None = None
+    out: tuple[torch.Tensor, ...] = ()
+    grad_ref: Any = None
+    loss_ref: Any = None
+    loss: float | None = None
+
+
+class DataWorker:
+    """Reads its share of the data, pulls sparse rows, runs stage 0, drives the micro-batches through
+    the StageWorkers, runs stage 0's backward and pushes the sparse gradients to the PS.
+
+    sync: one batch at a time, split into micro-batches; sparse gradients pushed once per batch.
+    async: micro-batches stream continuously; sparse gradients pushed per micro-batch.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        stage0: StageSpec,
+        model: ModelSpec,
+        settings: WorkerSettings,
+        data: DataSettings,
+        downstream: list[list[Any]],
+        shards: list[Any],
+        dense_ps: Any = None,
+    ):
+        torch.set_num_threads(settings.torch_threads)
+        self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
+        self.model = model
+        self.device = pick_device(settings.device)
+        self.module = model.build(stage0.start, stage0.end, settings.seed).to(self.device)
+        self.names = canonical_names(self.module, model)
+        self.downstream = downstream  # replicas of stages 1..S-1
+        self.ps = PSClient(shards)
+        self.sync = settings.mode == "sync"
+        self._optimizer = None
+        self._dense: _DenseReplica | None = None
+        if self.sync:
+            self._optimizer = make_optimizer(list(self.module.parameters()), settings.optimizer)
+        elif any(True for _ in self.module.parameters()):
+            self._dense = _DenseReplica(
+                dense_ps, dense_table_name(0), self.module, self.names, settings.max_staleness
+            )
+            self._dense.pull()
+        self._batches = self._read_batches()
+        self._batch_index = 0
+        self._counter = 0  # micro-batches started
+        self._window = data.max_in_flight
+        self._lag = max(0, data.max_in_flight - 1)
+        self._fwd_q: deque[_MicroBatch] = deque()
+        self._bwd_q: deque[_MicroBatch] = deque()
+        self._batch_emb_grad: np.ndarray | None = None
+        self._push_refs: list[Any] = []
+        self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches
+        self._busy = _Busy()
+        self._wait_s = 0.0
+        self._peak_in_flight = 0
+        self._samples = 0
+        self._metrics = _Metrics("data", 0, index)
+
+    def describe(self) -> dict[str, Any]:
+        return _placement(
+            role="data",
+            stage=0,
+            replica=self.index,
+            type=self.settings.type_name,
+            device=str(self.device),
+            layers=list(self.stage0.layers),
+            files=len(self.data.files),
+        )
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def run(self, steps: int) -> dict[str, Any]:
+        """Train up to `steps` batches; returns their losses (in batch order) and counters."""
+        t0 = time.perf_counter()
+        first_batch = self._batch_index
+        exhausted = False
+        for _ in range(steps):
+            with self._busy:
+                batch = next(self._batches, None)
+            if batch is None:
+                exhausted = True
+                break
+            self._train_batch(batch)
+        self._drain()
+        self._settle_pushes(0)
+        if self._dense is not None:
+            self._dense.flush()
+        losses = np.zeros(self._batch_index - first_batch)
+        for b, loss in self._done:
+            losses[b - first_batch] += loss
+        self._done.clear()
+        samples = (self._batch_index - first_batch) * self.data.batch_size
+        self._samples += samples
+        self._metrics.busy.set(self._busy.fraction)
+        return {
+            "worker": self.index,
+            "steps": self._batch_index - first_batch,
+            "samples": samples,
+            "losses": losses.tolist(),
+            "exhausted": exhausted,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _read_batches(self) -> Iterator[dict[str, np.ndarray]]:
+        from heterps_ray.data.dataset import Dataset
+
+        dataset = Dataset(self.data.path)
+        files = [Path(f) for f in self.data.files]
+        for _ in range(self.data.epochs):
+            yield from dataset.iter_batches("train", self.data.batch_size, files=files, drop_last=True)
+
+    def _train_batch(self, batch: dict[str, np.ndarray]) -> None:
+        size = len(batch["label"])
+        k = self.data.micro_batches
+        mb = size // k
+        if self.sync:
+            self._settle_pushes(0)  # ordering already holds; this surfaces PS errors early
+            with self._busy:
+                rows = self.ps.pull(SPARSE_TABLE, batch["keys"])
+            self._batch_rows = rows
+            self._batch_emb_grad = np.zeros_like(rows)
+        for j in range(k):
+            part = slice(j * mb, (j + 1) * mb)
+            item = _MicroBatch(
+                id=self._counter * 1024 + self.index,  # unique across DataWorkers (< 1024 of them)
+                batch=self._batch_index,
+                keys=batch["keys"][part],
+                dense=batch["dense"][part],
+                label=batch["label"][part],
+                rows=part,
+                grad_scale=mb / size if self.sync else 1.0,
+                loss_weight=mb / size,
+                step=self.sync and j == k - 1,
+                route=route(self._counter, self.index, [len(r) for r in self.downstream]),
+            )
+            self._counter += 1
+            self._submit(item)
+        if self.sync:
+            self._drain()
+            assert self._batch_emb_grad is not None
+            with self._busy:
+                self._push_refs += self.ps.push(SPARSE_TABLE, batch["keys"], self._batch_emb_grad)
+        self._batch_index += 1
+
+    # -- the in-flight window --------------------------------------------------------------------
+
+    def _submit(self, item: _MicroBatch) -> None:
+        while len(self._fwd_q) + len(self._bwd_q) >= self._window:
+            self._retire_oldest()
+        self._forward(item)
+        self._fwd_q.append(item)
+        self._peak_in_flight = max(self._peak_in_flight, len(self._fwd_q) + len(self._bwd_q))
+        if len(self._fwd_q) > self._lag:
+            self._backward(self._fwd_q.popleft())
+
+    def _retire_oldest(self) -> None:
+        if not self._bwd_q:
+            self._backward(self._fwd_q.popleft())
+        self._finish(self._bwd_q.popleft())
+
+    def _drain(self) -> None:
+        while self._fwd_q:
+            self._backward(self._fwd_q.popleft())
+        while self._bwd_q:
+            self._finish(self._bwd_q.popleft())
+
+    def _forward(self, item: _MicroBatch) -> None:
+        with self._busy:
+            if self.sync:
+                rows = self._batch_rows[item.rows]
+            else:
+                rows = self.ps.pull(SPARSE_TABLE, item.keys)
+            item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
+            dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
+            item.out = self.module((dense, item.emb))
+            if not self.downstream:  # one-stage pipeline: the loss is computed here
+                (logit,) = item.out
+                loss = loss_fn(logit, torch.from_numpy(np.ascontiguousarray(item.label)).to(self.device))
+                (loss * item.grad_scale).backward()
+                item.loss = float(loss.detach())
+                return
+            ref: Any = to_wire(item.out)
+        *middle, last = self.downstream
+        for s, replicas in enumerate(middle):
+            ref = replicas[item.route[s]].forward.remote(item.id, ref)
+        item.grad_ref, item.loss_ref = last[item.route[-1]].forward_backward.remote(
+            item.id, ref, item.label, item.grad_scale, item.step
+        )
+
+    def _backward(self, item: _MicroBatch) -> None:
+        if self.downstream:
+            grad = item.grad_ref
+            for s in range(len(self.downstream) - 2, -1, -1):
+                grad = self.downstream[s][item.route[s]].backward.remote(item.id, grad, item.step)
+            item.grad_ref = grad
+        self._bwd_q.append(item)
+
+    def _finish(self, item: _MicroBatch) -> None:
+        if self.downstream:
+            t0 = time.perf_counter()
+            grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
+            self._wait_s += time.perf_counter() - t0
+            with self._busy:
+                roots, seeds = [], []
+                for o, g in zip(item.out, grads, strict=True):
+                    if g is not None and o.requires_grad:
+                        roots.append(o)
+                        seeds.append(torch.from_numpy(np.asarray(g)).to(self.device))
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+        with self._busy:
+            assert item.emb is not None and item.loss is not None
+            emb_grad = item.emb.grad.detach().cpu().numpy() if item.emb.grad is not None else None
+            if emb_grad is not None:
+                if self.sync:
+                    assert self._batch_emb_grad is not None
+                    self._batch_emb_grad[item.rows] = emb_grad
+                else:
+                    self._push_refs += self.ps.push(SPARSE_TABLE, item.keys, emb_grad)
+                    self._settle_pushes(4 * len(self.ps.shards))
+            if self._optimizer is not None and item.step:
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+            elif self._dense is not None:
+                self._dense.update()
+        self._done.append((item.batch, item.loss * item.loss_weight))
+        item.emb, item.out = None, ()
+        self._metrics.samples.inc(len(item.label))
+
+    def _settle_pushes(self, keep: int) -> None:
+        """Wait for all but the newest `keep` sparse pushes (bounds memory; surfaces PS errors)."""
+        if len(self._push_refs) > keep:
+            cut = len(self._push_refs) - keep
+            ray.get(self._push_refs[:cut])
+            del self._push_refs[:cut]
+
+    # -- evaluation and state ---------------------------------------------------------------------
+
+    def evaluate(self, split: str, batch_size: int, files: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Forward only over `split` (this worker's `files`, or all): logits and labels."""
+        from heterps_ray.data.dataset import Dataset
+
+        dataset = Dataset(self.data.path)
+        paths = None if files is None else [Path(f) for f in files]
+        pending: deque[tuple[Any, np.ndarray]] = deque()
+        logits: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+
+        def collect() -> None:
+            ref, label = pending.popleft()
+            out = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+            logits.append(np.asarray(out[0]))
+            labels.append(label)
+
+        for counter, batch in enumerate(
+            dataset.iter_batches(split, batch_size, files=paths, drop_last=False)
+        ):
+            with self._busy, torch.no_grad():
+                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], create=False)
+                emb = torch.from_numpy(rows).to(self.device)
+                dense = torch.from_numpy(np.ascontiguousarray(batch["dense"])).to(self.device)
+                ref: Any = to_wire(self.module((dense, emb)))
+            for s, replica in enumerate(route(counter, self.index, [len(r) for r in self.downstream])):
+                ref = self.downstream[s][replica].predict.remote(ref)
+            pending.append((ref, batch["label"]))
+            if len(pending) >= self._window:
+                collect()
+        while pending:
+            collect()
+        if not logits:
+            return {"logits": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
+        return {"logits": np.concatenate(logits), "labels": np.concatenate(labels)}
+
+    def refresh(self) -> int:
+        """Async mode: load the newest stage-0 weights from the PS (before evaluation)."""
+        if self._dense is not None:
+            self._dense.flush()
+            self._dense.pull()
+            return self._dense.version
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        out = {
+            "stage": 0,
+            "replica": self.index,
+            "busy_s": self._busy.busy_s,
+            "wait_s": self._wait_s,
+            "samples": self._samples,
+            "peak_pending": self._peak_in_flight,
+        }
+        self._peak_in_flight = 0
+        return out
+
+    def dense_state(self) -> dict[str, np.ndarray]:
+        return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}

@@ -1,0 +1,90 @@
+"""The scheduler interface and its registry.
+
+Every scheduler is a small class with `schedule(problem) -> Plan`. Factories are registered by
+name and must accept the keyword arguments `seed` and `budget_s` (they may ignore them)::
+
+    @register_scheduler("mine")
+    class Mine(Scheduler):
+        def __init__(self, seed: int = 0, budget_s: float | None = None): ...
+
+    plan = get_scheduler("mine", seed=1).schedule(problem)
+
+`single:<type>` names the single-type baseline for that type. The RL scheduler lives in
+heterps_ray.scheduling.rl and registers itself as "rl" when imported; `get_scheduler("rl")`
+imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from heterps_ray.costmodel import Problem
+from heterps_ray.errors import ConfigError
+from heterps_ray.scheduling.plan import Plan
+
+# Modules whose import registers schedulers; the optional ones may be absent from a build.
+_BUILTIN_MODULES = ("heterps_ray.scheduling.baselines", "heterps_ray.scheduling.exact")
+_OPTIONAL_MODULES = {"rl": "heterps_ray.scheduling.rl"}
+
+_REGISTRY: dict[str, Callable[..., Scheduler]] = {}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Scheduler(ABC):
+    """Problem -> plan. `name` is what the plan's `scheduler` field says."""
+
+    name: str = "scheduler"
+
+    @abstractmethod
+    def schedule(self, problem: Problem) -> Plan:
+        """Return the best plan found. Does not change `problem`. An infeasible problem gives a
+        plan with `feasible=False` (the CLI turns it into exit code 3)."""
+
+
+def register_scheduler(name: str) -> Callable[[F], F]:
+    """Class or factory decorator: make `get_scheduler(name, **kw)` call it with `**kw`."""
+
+    def decorate(factory: F) -> F:
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorate
+
+
+def get_scheduler(name: str, **kwargs: Any) -> Scheduler:
+    """A scheduler by name: rl, exact, brute, greedy, genetic, random, single (the best
+    single-type plan) or single:<type>.
+
+    `kwargs` (typically seed, budget_s) go to its factory.
+    """
+    _import_builtins()
+    if name.startswith("single:"):
+        return _REGISTRY["single"](type_name=name.split(":", 1)[1], **kwargs)
+    if name not in _REGISTRY and name in _OPTIONAL_MODULES:
+        importlib.import_module(_OPTIONAL_MODULES[name])
+    if name not in _REGISTRY:
+        known = sorted(set(_REGISTRY) | set(_OPTIONAL_MODULES))
+        raise ConfigError(None, "scheduler", f"one of {known} or single:<type>", name)
+    return _REGISTRY[name](**kwargs)
+
+
+def available_schedulers() -> list[str]:
+    """Registered names (importing the optional RL scheduler if it is installed)."""
+    _import_builtins()
+    for name, module in _OPTIONAL_MODULES.items():
+        if name not in _REGISTRY:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name is None or not module.startswith(exc.name):
+                    raise
+    return sorted(_REGISTRY)
+
+
+def _import_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)

@@ -1,0 +1,151 @@
+"""`heterps plan` and `heterps compare`: schedule a problem file, or compare every scheduler on it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+DEFAULT_SCHEDULER = "exact"
+
+
+def register(subparsers: Any) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="find the cheapest plan that meets a problem's throughput floor",
+        description="Schedule a problem (DESIGN.md §4) and print the plan. Exit 0 a plan meets the "
+        "floor, 2 bad input, 3 no plan meets the floor.",
+    )
+    plan.add_argument("--problem", required=True, metavar="FILE", help="problem file (YAML or JSON)")
+    plan.add_argument(
+        "--scheduler",
+        default=DEFAULT_SCHEDULER,
+        metavar="NAME",
+        help=f"rl, exact, brute, greedy, genetic, random, single or single:<type> (default {DEFAULT_SCHEDULER})",
+    )
+    plan.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
+    plan.add_argument(
+        "--budget-s", type=float, default=None, metavar="N", help="time budget for search/training"
+    )
+    plan.add_argument("--seed", type=int, default=0, metavar="S")
+    plan.set_defaults(func=_plan)
+
+    compare = subparsers.add_parser(
+        "compare",
+        help="run every scheduler on a problem, side by side",
+        description="Cost, ratio to the exact optimum, throughput, feasibility and seconds of every "
+        "registered scheduler (and every single-type plan).",
+    )
+    compare.add_argument("--problem", required=True, metavar="FILE")
+    compare.add_argument(
+        "--budget-s", type=float, default=None, metavar="N", help="time budget per scheduler"
+    )
+    compare.add_argument("--seed", type=int, default=0, metavar="S")
+    compare.add_argument("--output", metavar="FILE.json", help="write the comparison rows as JSON")
+    compare.add_argument(
+        "--schedulers",
+        metavar="NAMES",
+        help="comma-separated subset (default: all registered + single:<type>)",
+    )
+    compare.set_defaults(func=_compare)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from heterps_ray.costmodel import load_problem
+    from heterps_ray.scheduling import get_scheduler
+
+    problem = load_problem(args.problem)
+    scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s)
+    plan = scheduler.schedule(problem)
+    print(plan.table())
+    if args.output:
+        print(f"plan written to {plan.save(args.output)}")
+    if not plan.feasible:
+        exact = plan.scheduler in ("exact", "brute")  # others know only the plans they tried
+        _raise_infeasible(problem, args.problem, plan.best_throughput if exact else None)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from heterps_ray.costmodel import load_problem
+    from heterps_ray.scheduling import available_schedulers, get_scheduler
+
+    problem = load_problem(args.problem)
+    if args.schedulers:
+        names = ["exact"] + [n.strip() for n in args.schedulers.split(",") if n.strip() not in ("", "exact")]
+    else:
+        names = ["exact"] + [n for n in available_schedulers() if n not in ("exact", "brute", "single")]
+        names += [f"single:{t}" for t in problem.types_running_all_layers()]
+    unable = [t for t in problem.type_names if t not in problem.types_running_all_layers()]
+    rows: list[dict[str, Any]] = []
+    exact_cost = math.nan
+    for name in names:
+        plan = get_scheduler(name, seed=args.seed, budget_s=args.budget_s).schedule(problem)
+        if name == "exact":
+            exact_cost = plan.cost if plan.feasible else math.nan
+        rows.append(
+            {
+                "scheduler": name,
+                "cost": plan.cost,
+                "ratio_to_exact": plan.cost / exact_cost if plan.feasible and exact_cost > 0 else math.nan,
+                "throughput": plan.throughput,
+                "cost_rate": plan.cost_rate,
+                "feasible": plan.feasible,
+                "seconds": plan.seconds,
+                "plans_evaluated": plan.plans_evaluated,
+                "assignment": list(plan.assignment),
+            }
+        )
+    print(_compare_table(problem, rows, unable))
+    if "rl" not in names and not args.schedulers:
+        print("rl: not compared (heterps_ray.scheduling.rl is not installed in this build)", file=sys.stderr)
+    if args.output:
+        with open(args.output, "w") as fh:
+            json.dump([{k: _json_num(v) for k, v in row.items()} for row in rows], fh, indent=2)
+    if not rows[0]["feasible"]:
+        _raise_infeasible(problem, args.problem, None)
+    return 0
+
+
+def _compare_table(problem: Any, rows: list[dict[str, Any]], unable: list[str]) -> str:
+    lines = [
+        f"problem {problem.name!r}: floor {problem.throughput_min:,.0f} samples/s, {problem.samples:,.0f} samples"
+    ]
+    header = (
+        f"{'scheduler':<14} {'cost ($)':>12} {'ratio to exact':>15} {'throughput (samples/s)':>23} "
+        f"{'$/h':>9} {'feasible':>9} {'seconds':>9}"
+    )
+    lines += [header, "-" * len(header)]
+    for r in rows:
+        ratio = "-" if math.isnan(r["ratio_to_exact"]) else f"{r['ratio_to_exact']:.4f}"
+        lines.append(
+            f"{r['scheduler']:<14} {r['cost']:>12,.4f} {ratio:>15} {r['throughput']:>23,.0f} "
+            f"{r['cost_rate']:>9.3f} {'yes' if r['feasible'] else 'NO':>9} {r['seconds']:>9.2f}"
+        )
+    if unable:
+        lines.append(f"(no single-type plan on {', '.join(unable)}: they cannot run every layer)")
+    return "\n".join(lines)
+
+
+def _json_num(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _raise_infeasible(problem: Any, file: str, best: float | None) -> None:
+    from heterps_ray.errors import InfeasibleError
+    from heterps_ray.scheduling.exact import max_reachable_throughput
+
+    if best is None:
+        best = max_reachable_throughput(problem)
+    raise InfeasibleError(
+        f"{file}: no plan meets the floor throughput_min = {problem.throughput_min:,.0f} samples/s; "
+        f"the highest throughput any plan reaches is {best:,.0f} samples/s. Possible fixes: "
+        f"(1) lower throughput_min to at most {math.floor(best):,}; (2) raise max_instances of the "
+        f"resource types (or ps.rows_per_second_per_shard); (3) add a faster resource type.",
+        best,
+    )

@@ -1,0 +1,151 @@
+"""Random realistic scheduling problems, for tests, benchmarks and training a policy across problems.
+
+A CTR-like chain: sparse embedding layers first (many PS rows, memory bound: cheap on CPU nodes,
+little faster on a GPU, and some GPU kinds cannot hold them), then dense, interaction and attention
+layers (compute bound: tens of times faster on GPUs; attention may not run on CPU nodes), then a
+small head. The cluster is a CPU node type plus GPU kinds from a T4..H100-like catalogue, with
+jittered prices, limits and networks. The floor is a random fraction (5%..100%) of a throughput
+some plan reaches; about one problem in ten gets a floor no plan reaches (infeasible).
+
+Example::
+
+    problem = generate_problem(7, num_layers=(3, 30), num_types=(2, 5))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from heterps_ray.costmodel import Problem, problem_from_dict
+
+# (name, $/hour, dense speed-up over a CPU node, memory-bound speed-up, can hold big tables)
+# Prices are of the order of public on-demand prices (see configs/clusters/cloud_gpu.yaml).
+_GPU_KINDS = (
+    ("t4", 0.53, 12.0, 1.5, False),
+    ("l4", 0.80, 20.0, 2.0, False),
+    ("v100", 3.06, 35.0, 2.5, True),
+    ("a10", 1.20, 25.0, 2.0, False),
+    ("a100", 4.10, 70.0, 4.0, True),
+    ("h100", 6.90, 120.0, 6.0, True),
+)
+
+
+def generate_problem(
+    rng: np.random.Generator | int,
+    num_layers: tuple[int, int] = (3, 8),
+    num_types: tuple[int, int] = (2, 3),
+    name: str | None = None,
+    floor_fraction: tuple[float, float] = (0.05, 1.0),
+    infeasible_share: float = 0.1,
+) -> Problem:
+    """One random problem; `num_layers` / `num_types` are inclusive ranges (3..30, 2..5 supported).
+
+    The floor is `floor_fraction` of a throughput some plan reaches, except for a share
+    `infeasible_share` of problems whose floor is above every plan's throughput."""
+    if not isinstance(rng, np.random.Generator):
+        seed = int(rng)
+        rng = np.random.default_rng(seed)
+        name = name or f"generated-{seed}"
+    L = int(rng.integers(num_layers[0], num_layers[1] + 1))
+    T = int(rng.integers(num_types[0], num_types[1] + 1))
+    if L < 1 or not 2 <= T <= len(_GPU_KINDS) + 1:
+        raise ValueError(f"num_layers >= 1 and 2 <= num_types <= {len(_GPU_KINDS) + 1} (got {L}, {T})")
+    batch_size = int(rng.choice([256, 512, 1024, 2048]))
+
+    def jitter(x: float, spread: float = 0.25) -> float:
+        return float(x * rng.uniform(1.0 - spread, 1.0 + spread))
+
+    resources = [
+        {
+            "name": "cpu",
+            "device": "cpu",
+            "price_per_hour": round(jitter(0.34), 3),
+            "max_instances": int(rng.choice([16, 32, 64])),
+            "bandwidth_gbps": float(rng.choice([10, 25])),
+            "io_bandwidth_gbps": float(rng.choice([4, 8])),
+            "latency_ms": round(float(rng.uniform(0.1, 0.5)), 3),
+        }
+    ]
+    kinds = [_GPU_KINDS[i] for i in sorted(rng.choice(len(_GPU_KINDS), size=T - 1, replace=False))]
+    for kind, price, _, _, _ in kinds:
+        resources.append(
+            {
+                "name": kind,
+                "device": "cuda",
+                "price_per_hour": round(jitter(price, 0.15), 3),
+                "max_instances": int(rng.choice([2, 4, 8, 16])),
+                "bandwidth_gbps": float(rng.choice([25, 50, 100])),
+                "io_bandwidth_gbps": float(rng.choice([4, 8, 16])),
+                "latency_ms": round(float(rng.uniform(0.05, 0.3)), 3),
+            }
+        )
+
+    num_embedding = int(rng.integers(1, max(1, min(3, L - 1)) + 1)) if L > 1 else 1
+    layers = []
+    for li in range(L):
+        if li < num_embedding:
+            kind = "embedding"
+        elif li == L - 1 and L > num_embedding + 1:
+            kind = "head"
+        else:
+            kind = str(rng.choice(["fc", "fc", "interaction", "attention"]))
+        layers.append(_layer(rng, li, kind, kinds, jitter))
+    data = {
+        "name": name or "generated",
+        "batch_size": batch_size,
+        "samples": float(rng.choice([1e7, 1e8, 1e9])),
+        "throughput_min": 0.0,
+        "input_bytes_per_sample": float(rng.integers(100, 400)),
+        "resources": resources,
+        "ps": {
+            "resource": "cpu",
+            "rows_per_second_per_shard": float(rng.uniform(1e6, 5e6)),
+            "min_shards": int(rng.integers(1, 5)),
+        },
+        "layers": layers,
+    }
+    from heterps_ray.scheduling.exact import throughput_bounds
+
+    lower, upper = throughput_bounds(problem_from_dict(data))  # fast bounds; the exact needs ILPs
+    if rng.random() < infeasible_share:
+        floor = upper * rng.uniform(1.02, 1.3)  # above the upper bound: surely infeasible
+    else:
+        floor = lower * rng.uniform(*floor_fraction)  # below a reachable throughput: feasible
+    data["throughput_min"] = float(round(floor, 1))
+    return problem_from_dict(data)
+
+
+def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter) -> dict:
+    if kind == "embedding":
+        slots = int(rng.integers(8, 40))
+        dim = int(rng.choice([8, 16, 32]))
+        cpu = (rng.uniform(0.1, 0.5), rng.uniform(0.002, 0.01))  # fixed ms, ms per sample
+        times = {"cpu": cpu}
+        for name, _, _, memory_speedup, big_tables in kinds:
+            if big_tables or rng.random() < 0.4:
+                times[name] = (rng.uniform(0.5, 2.0), cpu[1] / jitter(memory_speedup, 0.4))
+        return _entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
+    per_sample_cpu = {
+        "fc": (0.01, 0.08),
+        "interaction": (0.005, 0.03),
+        "attention": (0.05, 0.3),
+        "head": (0.001, 0.005),
+    }
+    cpu = (rng.uniform(0.05, 0.3), rng.uniform(*per_sample_cpu[kind]))
+    times = {} if kind == "attention" and rng.random() < 0.3 else {"cpu": cpu}
+    for name, _, dense_speedup, _, _ in kinds:
+        times[name] = (rng.uniform(0.1, 0.6), cpu[1] / jitter(dense_speedup, 0.4))
+    out_bytes = 4 * int(rng.choice([1, 16, 32, 64, 128, 256, 512, 1024])) if kind != "head" else 4
+    return _entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)
+
+
+def _entry(name: str, out_bytes: int, rows: int, alpha: float, times: dict) -> dict:
+    return {
+        "name": name,
+        "out_bytes_per_sample": int(out_bytes),
+        "sparse_rows_per_sample": int(rows),
+        "parallel_fraction": round(float(alpha), 4),
+        "time_ms": {
+            t: {"fixed": round(float(f), 4), "per_sample": round(float(p), 6)} for t, (f, p) in times.items()
+        },
+    }

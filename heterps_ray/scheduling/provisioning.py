@@ -1,0 +1,151 @@
+"""Exact provisioning (DESIGN.md §3, last paragraph): the cheapest replica and shard counts for a
+fixed assignment. Shared by every scheduler.
+
+The pipeline throughput of an optimal plan equals one of the finite candidates
+{theta_s(k)} U {theta_ps(m)}. For each candidate X we take the smallest counts that reach X, check
+max_instances, and keep the lowest monetary cost R * N / Theta / 3600 among plans at or above the
+floor. Cost, not cost rate: a faster plan with more replicas can cost less in total.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel.analytic import FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.scheduling.plan import Plan
+
+_REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """The counts chosen for one assignment, and what they give."""
+
+    replicas: tuple[int, ...]  # per stage
+    ps_shards: int
+    throughput: float  # samples/s
+    cost_rate: float  # $/hour
+    cost: float  # $
+    feasible: bool  # meets the floor within max_instances
+    max_throughput: float  # highest throughput this assignment reaches within max_instances (0: none)
+
+
+def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provisioned:
+    """Cheapest counts for `assignment` meeting the floor; if none meets it, the fastest counts."""
+    a = model.indices(assignment)
+    stages = model.stage_times(a)
+    S = len(stages)
+    cap = model.max_instances
+    ps_t, m_min = model.ps_type, model.ps_min_shards
+    fallback = Provisioned((1,) * S, m_min, 0.0, math.inf, math.inf, False, 0.0)
+    if not all(model.runnable[li, t] for li, t in enumerate(a)):
+        return fallback
+
+    # theta_s(k) for k = 1..K_s (the type's instances, less the PS shards' minimum on it)
+    tables = []
+    for st in stages:
+        k_max = int(cap[st.type]) - (m_min if st.type == ps_t else 0)
+        if k_max < 1:
+            return fallback
+        k = np.arange(1, k_max + 1)
+        with np.errstate(divide="ignore"):
+            tables.append(MS_PER_S * model.batch_size / st.tau_ms / ((1.0 - st.alpha) + st.alpha / k))
+    shards = np.arange(m_min, int(cap[ps_t]) + 1)
+    ps_table = np.array([model.ps_throughput(int(m)) for m in shards])
+
+    candidates = np.unique(np.concatenate(tables + [ps_table]))
+    target = candidates * (1.0 - _REACH_RTOL)
+    reachable = np.ones(len(candidates), dtype=bool)
+    usage = np.zeros((len(candidates), model.num_types), dtype=np.int64)
+    throughput = np.full(len(candidates), np.inf)
+    cost_rate = np.zeros(len(candidates))
+    counts = np.empty((S, len(candidates)), dtype=np.int64)
+    for s, (st, table) in enumerate(zip(stages, tables, strict=True)):
+        idx = np.searchsorted(table, target, side="left")  # tables increase with k
+        reachable &= idx < len(table)
+        idx = np.minimum(idx, len(table) - 1)
+        counts[s] = idx + 1
+        usage[:, st.type] += idx + 1
+        throughput = np.minimum(throughput, table[idx])
+        cost_rate += (idx + 1) * model.price[st.type]
+    if model.rows_per_sample > 0.0:
+        idx = np.searchsorted(ps_table, target, side="left")
+        reachable &= idx < len(ps_table)
+        idx = np.minimum(idx, len(ps_table) - 1)
+    else:
+        idx = np.zeros(len(candidates), dtype=np.int64)  # the PS never limits: its minimum suffices
+    m = shards[idx]
+    usage[:, ps_t] += m
+    throughput = np.minimum(throughput, ps_table[idx])
+    cost_rate += m * model.price[ps_t]
+    reachable &= (usage <= cap).all(axis=1)
+    if not reachable.any():
+        return fallback
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(np.isinf(throughput), 0.0, cost_rate * model.samples / throughput / S_PER_HOUR)
+    ok = reachable & (throughput >= model.floor * (1.0 - FLOOR_RTOL))
+    max_throughput = float(throughput[reachable].max())
+    if ok.any():
+        # lowest cost; ties -> lower cost rate
+        order = np.lexsort((cost_rate, np.where(ok, cost, np.inf)))
+    else:
+        # the fastest reachable counts; ties -> lower cost
+        order = np.lexsort((cost, np.where(reachable, -throughput, np.inf)))
+    i = int(order[0])
+    return Provisioned(
+        replicas=tuple(int(k) for k in counts[:, i]),
+        ps_shards=int(m[i]),
+        throughput=float(throughput[i]),
+        cost_rate=float(cost_rate[i]),
+        cost=float(cost[i]),
+        feasible=bool(ok[i]),
+        max_throughput=max_throughput,
+    )
+
+
+def provision(
+    problem: Problem,
+    assignment: Sequence[int | str],
+    *,
+    scheduler: str = "provision",
+    model: CostModel | None = None,
+) -> Plan:
+    """The cheapest plan for a fixed assignment (type names or indices per layer), as a Plan."""
+    started = time.perf_counter()
+    model = model or CostModel(problem)
+    counts = provision_counts(model, assignment)
+    return plan_from_counts(
+        problem, model, assignment, counts, scheduler=scheduler, seconds=time.perf_counter() - started
+    )
+
+
+def plan_from_counts(
+    problem: Problem,
+    model: CostModel,
+    assignment: Sequence[int | str],
+    counts: Provisioned,
+    *,
+    scheduler: str,
+    seconds: float,
+    plans_evaluated: int = 1,
+    best_throughput: float | None = None,
+    extra: dict | None = None,
+) -> Plan:
+    """Price the provisioned plan with the cost model and wrap it as a Plan."""
+    evaluation = model.evaluate(assignment, list(counts.replicas), counts.ps_shards)
+    return Plan.from_evaluation(
+        problem,
+        evaluation,
+        scheduler=scheduler,
+        seconds=seconds,
+        plans_evaluated=plans_evaluated,
+        best_throughput=best_throughput if best_throughput is not None else None,
+        extra=extra,
+    )

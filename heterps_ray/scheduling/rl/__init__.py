@@ -1,0 +1,17 @@
+"""The RL scheduler: a gymnasium env over the cost model and an RLlib PPO policy with action masking.
+
+Importing this package registers the scheduler "rl" (`get_scheduler("rl", budget_s=60)`).
+"""
+
+from heterps_ray.scheduling.rl.env import MAX_TYPES, EpisodeResult, ProblemView, SchedulingEnv
+from heterps_ray.scheduling.rl.scheduler import RLConfig, RLScheduler, greedy_rollout
+
+__all__ = [
+    "MAX_TYPES",
+    "EpisodeResult",
+    "ProblemView",
+    "RLConfig",
+    "RLScheduler",
+    "SchedulingEnv",
+    "greedy_rollout",
+]

@@ -1,0 +1,417 @@
+"""RLScheduler: an RLlib PPO policy (new API stack, action masking) that plans a problem.
+
+    plan = RLScheduler(budget_s=60, seed=0, checkpoint_dir="runs/rl").schedule(problem)  # train
+    plan = RLScheduler.from_checkpoint("runs/rl").schedule(problem)                     # no training
+    plan = RLScheduler().schedule(problem)                  # zero-shot, the shipped pretrained policy
+    plan = RLScheduler(finetune_s=30).schedule(problem)     # the pretrained policy, fine-tuned first
+
+The policy picks a resource type per layer (masked to the types that can run it); exact
+provisioning sets replicas and PS shards. Every plan the policy produces is a candidate: the
+episodes PPO sampled while training, the final policy's greedy plan and plans sampled from it,
+and the env's reference plans (single-type and per-layer heuristics); the best, optionally
+hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
+what the policy alone reached ("policy_cost"), so the share of each part stays visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from heterps_ray.costmodel import Problem
+from heterps_ray.scheduling.base import Scheduler, register_scheduler
+from heterps_ray.scheduling.plan import Plan
+from heterps_ray.scheduling.provisioning import plan_from_counts
+from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, SchedulingEnv, better
+from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, has_policy, load_policy
+from heterps_ray.scheduling.rl.polish import polish
+
+log = logging.getLogger(__name__)
+
+_MODULE_SUBDIR = Path("learner_group") / "learner" / "rl_module" / "default_policy"
+_STATE_FILE = "rl_scheduler.json"  # beside RLlib's files: config, seed and the best plans found
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Every PPO hyper-parameter of the RL scheduler (RLlib names in brackets where they differ)."""
+
+    train_batch_size: int = 512
+    """env steps (layer decisions) per PPO iteration [train_batch_size_per_learner]"""
+    minibatch_size: int = 128
+    """steps per SGD minibatch"""
+    num_epochs: int = 8
+    """SGD passes over each train batch"""
+    lr: float = 1e-3
+    """Adam learning rate of policy and value networks"""
+    gamma: float = 1.0
+    """discount; 1 because the only reward is the plan's cost at the end of the episode"""
+    lambda_: float = 0.95
+    """GAE lambda"""
+    clip_param: float = 0.2
+    """PPO policy-ratio clip"""
+    vf_clip_param: float = 10.0
+    """value-loss clip (returns lie in [-6, 3])"""
+    vf_loss_coeff: float = 0.5
+    """weight of the value loss"""
+    entropy_coeff: float = 0.01
+    """entropy bonus; keeps sampling alternatives so that good plans are seen"""
+    use_kl_loss: bool = False
+    """the clipped objective alone, as in CleanRL"""
+    grad_clip: float = 0.5
+    """global gradient-norm clip"""
+    num_envs: int = 8
+    """environments stepped together by the one env runner (one forward pass serves all of them)"""
+    hidden: int = 64
+    """width of the two hidden layers of the type-scoring and value MLPs"""
+    rollouts: int = 32
+    """plans sampled from the final policy (besides its greedy plan) as candidates"""
+    polish: bool = True
+    """hill-climb from the best plans found (re-type a layer or a stage); see rl/polish.py"""
+    polish_starts: int = 4
+    """how many of the best distinct plans to hill-climb from"""
+    polish_share: float = 0.1
+    """share of the training budget kept for polishing (with `iterations`: run to a local optimum)"""
+    zero_shot_polish_s: float = 0.5
+    """polishing time when planning with a saved policy without training"""
+
+    def ppo_config(self, env_config: dict[str, Any], seed: int) -> Any:
+        """The RLlib PPOConfig: one local env runner and one local learner, inside the current Ray."""
+        from ray.rllib.algorithms.ppo import PPOConfig
+        from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+        from heterps_ray.scheduling.rl.module import TypeScoringModule
+
+        return (
+            PPOConfig()
+            .environment(SchedulingEnv, env_config=env_config)
+            .env_runners(num_env_runners=0, num_envs_per_env_runner=self.num_envs)
+            .learners(num_learners=0)
+            .rl_module(
+                rl_module_spec=RLModuleSpec(
+                    module_class=TypeScoringModule, model_config={"hidden": self.hidden}
+                )
+            )
+            .training(
+                train_batch_size_per_learner=self.train_batch_size,
+                minibatch_size=self.minibatch_size,
+                num_epochs=self.num_epochs,
+                lr=self.lr,
+                gamma=self.gamma,
+                lambda_=self.lambda_,
+                clip_param=self.clip_param,
+                vf_clip_param=self.vf_clip_param,
+                vf_loss_coeff=self.vf_loss_coeff,
+                entropy_coeff=self.entropy_coeff,
+                use_kl_loss=self.use_kl_loss,
+                grad_clip=self.grad_clip,
+            )
+            .reporting(metrics_num_episodes_for_smoothing=20)
+            .debugging(seed=seed, log_level="ERROR")
+        )
+
+
+@register_scheduler("rl")
+class RLScheduler(Scheduler):
+    """PPO over the scheduling env. What `schedule` does depends on the arguments:
+
+    * ``budget_s`` or ``iterations``: train a fresh policy on the problem (issue 4);
+    * ``finetune_s`` (or ``policy`` with ``iterations``): start from a saved policy, then train;
+    * neither: plan zero-shot with the pretrained policy shipped in the package (or, when there
+      is none, train a fresh policy for 60 s).
+
+    Same seed and same `iterations` give the same plan. `checkpoint_dir` keeps the trained policy
+    (RLlib checkpoint) and the best plan found, for :meth:`from_checkpoint`.
+    """
+
+    name = "rl"
+
+    def __init__(
+        self,
+        budget_s: float | None = None,
+        seed: int = 0,
+        config: RLConfig | None = None,
+        iterations: int | None = None,
+        checkpoint_dir: str | Path | None = None,
+        policy: str | Path | None = None,
+        finetune_s: float | None = None,
+    ):
+        self.budget_s, self.seed, self.iterations = budget_s, int(seed), iterations
+        self.finetune_s = finetune_s
+        self.policy = Path(policy) if policy is not None else None
+        self.config = config or RLConfig()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._module: Any = None  # set by from_checkpoint: plan with it instead of training
+        self.module: Any = None  # the policy after the last training run (an RLModule)
+        self._known: dict[str, list[int]] = {}  # problem fingerprint -> best assignment found in training
+        self.history: list[dict[str, float]] = []  # per iteration: seconds, reward mean, best cost
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> RLScheduler:
+        """A scheduler that plans with a policy saved by `checkpoint_dir`, without training."""
+        from ray.rllib.core.rl_module.rl_module import RLModule
+
+        path = Path(path)
+        state = json.loads((path / _STATE_FILE).read_text())
+        known = {f.name for f in fields(RLConfig)}
+        scheduler = cls(
+            seed=state["seed"],
+            config=RLConfig(**{k: v for k, v in state["config"].items() if k in known}),
+            iterations=state["iterations"],
+        )
+        scheduler._module = RLModule.from_checkpoint(str((path / _MODULE_SUBDIR).resolve()))
+        scheduler._known = {k: list(v) for k, v in state.get("best_assignments", {}).items()}
+        return scheduler
+
+    @property
+    def mode(self) -> str:
+        """checkpoint | finetune | train | zero-shot: what `schedule` will do."""
+        if self._module is not None:
+            return "checkpoint"
+        if self.finetune_s is not None or (self.policy is not None and self.iterations is not None):
+            return "finetune"
+        if self.budget_s is not None or self.iterations is not None:
+            return "train"
+        return "zero-shot" if has_policy(self.policy or PRETRAINED_DIR) else "train"
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def schedule(self, problem: Problem) -> Plan:
+        started = time.perf_counter()
+        mode = self.mode
+        if mode in ("checkpoint", "zero-shot"):
+            module = self._module if mode == "checkpoint" else load_policy(self.policy or PRETRAINED_DIR)
+            view = ProblemView(problem)
+            candidates = self._rollouts(module, view)
+            stored = self._known.get(problem_fingerprint(problem))
+            if stored is not None:
+                candidates["trained"] = view.record(stored)
+            return self._plan(
+                view, candidates, started, {"mode": mode, "trained": False}, self.config.zero_shot_polish_s
+            )
+
+        initial = load_policy(self.policy or PRETRAINED_DIR) if mode == "finetune" else None
+        budget = self.finetune_s if mode == "finetune" else self.budget_s
+        if budget is None and self.iterations is None:
+            budget = 60.0
+        view, module, info = self._train(problem, started, budget, initial)
+        info["mode"] = mode
+        sampled = view.best
+        candidates = self._rollouts(module, view)
+        if sampled is not None:
+            candidates["sampled"] = sampled
+        polish_s = math.inf if budget is None else max(started + budget - time.perf_counter(), 0.0)
+        plan = self._plan(view, candidates, started, info, polish_s)
+        if self.checkpoint_dir is not None:
+            self._save_state(problem, plan, info)
+        return plan
+
+    def _train(
+        self, problem: Problem, started: float, budget_s: float | None, initial: Any
+    ) -> tuple[ProblemView, Any, dict[str, Any]]:
+        import torch
+
+        _ensure_ray()
+        # One thread: these networks are tiny, and on a busy machine a second thread only waits.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        algo = self.config.ppo_config({"problems": [problem]}, self.seed).build_algo()
+        try:
+            if initial is not None:
+                _set_weights(algo, initial.state_dict())
+            # The envs RLlib built play every episode; their views have seen all of them as candidates.
+            envs = _local_envs(algo)
+            views = [env.problem_view(0) for env in envs]
+            training_s = math.inf if budget_s is None else budget_s * (1.0 - self._polish_share())
+            iteration, last = 0, 0.0
+            while True:
+                if self.iterations is not None:
+                    if iteration >= self.iterations:
+                        break
+                elif time.perf_counter() - started + last > training_s:
+                    break
+                t0 = time.perf_counter()
+                result = algo.train()
+                last = time.perf_counter() - t0
+                iteration += 1
+                log.info(
+                    "rl iteration %d: %.1f s, return %.3f", iteration, last, _episode_return_mean(result)
+                )
+                self.history.append(
+                    {
+                        "iteration": iteration,
+                        "seconds": time.perf_counter() - started,
+                        "episode_return_mean": float(_episode_return_mean(result)),
+                        "best_cost": min(
+                            (v.best.cost for v in views if v.best is not None), default=math.inf
+                        ),
+                    }
+                )
+            if self.checkpoint_dir is not None:
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                algo.save_to_path(str(self.checkpoint_dir.resolve()))
+            module = self.module = algo.get_module()
+            info = {"trained": True, "iterations": iteration, "episodes": sum(env.episodes for env in envs)}
+        finally:
+            algo.stop()
+            torch.set_num_threads(threads)
+        view = ProblemView(problem)
+        for sampled in views:
+            view.merge(sampled)
+        return view, module, info
+
+    def _rollouts(self, module: Any, view: ProblemView) -> dict[str, EpisodeResult]:
+        """The policy's greedy plan and the best of `config.rollouts` plans sampled from it."""
+        greedy, *sampled = policy_rollouts(module, view, self.config.rollouts, self.seed)
+        candidates = {"greedy": greedy}
+        best = None
+        for result in sampled:
+            if better(best, result):
+                best = result
+        if best is not None:
+            candidates["rollouts"] = best
+        return candidates
+
+    def _polish_share(self) -> float:
+        return self.config.polish_share if self.config.polish else 0.0
+
+    def _plan(
+        self,
+        view: ProblemView,
+        candidates: dict[str, EpisodeResult],
+        started: float,
+        info: dict[str, Any],
+        polish_s: float,
+    ) -> Plan:
+        # The env's reference plans are candidates too: the RL scheduler never returns a plan worse
+        # than the heuristics its reward is measured against.
+        for name, assignment in view.reference_assignments.items():
+            candidates.setdefault(f"reference:{name}", view.record(assignment))
+        policy_best = None
+        for name in ("greedy", "rollouts", "sampled", "trained"):
+            if name in candidates and better(policy_best, candidates[name]):
+                policy_best = candidates[name]
+        if self.config.polish:
+            deadline = math.inf if self.iterations is not None else time.perf_counter() + polish_s
+            starts = [candidates["greedy"]] + view.top(self.config.polish_starts)
+            polished = polish(view, starts, deadline)
+            if polished is not None:
+                candidates["polished"] = polished
+        source, best = None, None
+        for name, result in candidates.items():
+            if better(best, result):
+                source, best = name, result
+        assert best is not None
+        extra = dict(info)
+        extra.update(
+            source=source,
+            seed=self.seed,
+            greedy_cost=_json_cost(candidates["greedy"]),
+            sampled_cost=_json_cost(candidates.get("sampled")),
+            policy_cost=_json_cost(policy_best),
+            polished_cost=_json_cost(candidates.get("polished")),
+            reference_cost=view.reference_cost,
+        )
+        best_throughput = None
+        if not best.feasible:
+            from heterps_ray.scheduling.exact import max_reachable_throughput
+
+            best_throughput = max_reachable_throughput(view.problem)
+        return plan_from_counts(
+            view.problem,
+            view.model,
+            best.assignment,
+            best.provisioned,
+            scheduler=self.name,
+            seconds=time.perf_counter() - started,
+            plans_evaluated=view.evaluations,
+            best_throughput=best_throughput,
+            extra=extra,
+        )
+
+    def _save_state(self, problem: Problem, plan: Plan, info: dict[str, Any]) -> None:
+        assert self.checkpoint_dir is not None
+        path = self.checkpoint_dir / _STATE_FILE
+        state = json.loads(path.read_text()) if path.exists() else {}
+        best = state.get("best_assignments", {})
+        best[problem_fingerprint(problem)] = [problem.type_index(t) for t in plan.assignment]
+        state.update(
+            config=asdict(self.config),
+            seed=self.seed,
+            iterations=info["iterations"],
+            best_assignments=best,
+            history=self.history,
+        )
+        path.write_text(json.dumps(state, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def greedy_rollout(module: Any, view: ProblemView) -> EpisodeResult:
+    """Play one episode choosing the policy's most likely (unmasked) type at every layer."""
+    return policy_rollouts(module, view, samples=0)[0]
+
+
+def policy_rollouts(module: Any, view: ProblemView, samples: int, seed: int = 0) -> list[EpisodeResult]:
+    """The greedy episode, then `samples` episodes drawn from the policy; all played in lockstep."""
+    import torch
+    from ray.rllib.core.columns import Columns
+
+    envs = [SchedulingEnv({"problems": [view.problem]}) for _ in range(samples + 1)]
+    observations = [env.reset(options={"problem": view})[0] for env in envs]
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for _ in range(view.num_layers):  # every episode has one step per layer
+            batch = {k: torch.as_tensor(np.stack([o[k] for o in observations])) for k in observations[0]}
+            logits = module.forward_inference({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS]
+            probabilities = torch.softmax(logits.double(), dim=-1).numpy()
+            actions = [int(np.argmax(probabilities[0]))]
+            actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[1:]]
+            observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
+    results = [env.last_result for env in envs]
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def problem_fingerprint(problem: Problem) -> str:
+    """A stable id of a problem's content (what a stored plan is valid for)."""
+    text = json.dumps(problem.to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _set_weights(algo: Any, state: dict[str, Any]) -> None:
+    """Start training from saved weights: the learner's module and the env runner's copy."""
+    algo.learner_group.set_weights({"default_policy": {k: v.numpy() for k, v in state.items()}})
+    algo.get_module().load_state_dict(state)
+
+
+def _local_envs(algo: Any) -> list[SchedulingEnv]:
+    """The SchedulingEnvs inside the algorithm's local env runner (num_env_runners=0)."""
+    return [env.unwrapped for env in algo.env_runner.env.unwrapped.envs]
+
+
+def _episode_return_mean(result: dict[str, Any]) -> float:
+    return result.get("env_runners", {}).get("episode_return_mean", np.nan)
+
+
+def _json_cost(result: EpisodeResult | None) -> float | None:
+    if result is None or not result.feasible:
+        return None
+    return float(result.provisioned.cost)
+
+
+def _ensure_ray() -> None:
+    """RLlib runs inside the caller's Ray; start a small local one when there is none (the CLI)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)

@@ -1,0 +1,167 @@
+"""Benchmark the RL scheduler's modes against the exact optimum on generated (unseen) problems.
+
+    python scripts/bench_rl.py --problems 50 --modes zero-shot                   # the pretrained policy
+    python scripts/bench_rl.py --problems 10 --modes finetune,train --budget-s 60 --baselines greedy,genetic
+
+Modes: `zero-shot` (the shipped pretrained policy, no training), `finetune` (that policy trained
+further on the problem for --budget-s), `train` (a fresh policy trained on the problem for
+--budget-s). For every mode two costs are reported: the plan returned, and the policy's own best
+plan before local polishing (`policy`), so what the policy contributes is visible.
+Rows go to --output as JSON lines; the summary is a markdown section on stdout (and, with
+--markdown, in place of that file's "## RL scheduler" section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SECTION = "## RL scheduler"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="problems are generate_problem(seed .. seed+n-1)")
+    parser.add_argument("--layers", type=int, nargs=2, default=(3, 30), metavar=("LO", "HI"))
+    parser.add_argument("--types", type=int, nargs=2, default=(2, 5), metavar=("LO", "HI"))
+    parser.add_argument("--modes", default="zero-shot", help="comma-separated: zero-shot, finetune, train")
+    parser.add_argument(
+        "--budget-s", type=float, default=60.0, help="seconds of training for finetune / train"
+    )
+    parser.add_argument(
+        "--policy", type=Path, default=None, help="policy directory (default: the shipped one)"
+    )
+    parser.add_argument("--baselines", default="", help="comma-separated baseline schedulers to run as well")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/rl.jsonl"))
+    parser.add_argument("--markdown", type=Path, default=None, help="replace its '## RL scheduler' section")
+    args = parser.parse_args(argv)
+    command = "python scripts/bench_rl.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    import ray
+    import torch
+
+    from heterps_ray.scheduling import get_scheduler
+    from heterps_ray.scheduling.generator import generate_problem
+    from heterps_ray.scheduling.rl import RLScheduler
+
+    torch.set_num_threads(1)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if any(m != "zero-shot" for m in modes) and not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with args.output.open("w") as out:
+        for seed in range(args.seed, args.seed + args.problems):
+            problem = generate_problem(seed, num_layers=tuple(args.layers), num_types=tuple(args.types))
+            exact = get_scheduler("exact").schedule(problem)
+            row: dict[str, Any] = {
+                "seed": seed,
+                "layers": problem.num_layers,
+                "types": problem.num_types,
+                "exact": _cost(exact),
+                "exact_s": exact.seconds,
+            }
+            for name in baselines:
+                plan = get_scheduler(name, seed=0).schedule(problem)
+                row[name], row[f"{name}_s"] = _cost(plan), plan.seconds
+            for mode in modes:
+                scheduler = _scheduler(RLScheduler, mode, args)
+                started = time.perf_counter()
+                plan = scheduler.schedule(problem)
+                row[f"rl-{mode}"] = _cost(plan)
+                row[f"rl-{mode}_s"] = time.perf_counter() - started
+                row[f"rl-{mode}-policy"] = plan.extra.get("policy_cost")
+                row[f"rl-{mode}_source"] = plan.extra.get("source")
+                row[f"rl-{mode}_iterations"] = plan.extra.get("iterations", 0)
+            rows.append(row)
+            print(json.dumps(row), file=out, flush=True)
+            print(_progress(row), file=sys.stderr, flush=True)
+
+    columns = baselines + [c for m in modes for c in (f"rl-{m}", f"rl-{m}-policy")]
+    section = _markdown(rows, columns, command, args)
+    print(section)
+    if args.markdown is not None:
+        _replace_section(args.markdown, section)
+    return 0
+
+
+def _scheduler(cls: Any, mode: str, args: argparse.Namespace) -> Any:
+    if mode == "zero-shot":
+        return cls(policy=args.policy)
+    if mode == "finetune":
+        return cls(policy=args.policy, finetune_s=args.budget_s)
+    if mode == "train":
+        return cls(budget_s=args.budget_s)
+    raise SystemExit(f"unknown mode {mode!r} (zero-shot, finetune, train)")
+
+
+def _cost(plan: Any) -> float | None:
+    return float(plan.cost) if plan.feasible else None
+
+
+def _progress(row: dict[str, Any]) -> str:
+    exact = row["exact"]
+    parts = [f"seed {row['seed']} L={row['layers']} T={row['types']}"]
+    for key, value in row.items():
+        if key.startswith(("rl-", "greedy", "genetic", "random")) and not key.endswith(
+            ("_s", "_source", "_iterations")
+        ):
+            ratio = value / exact if value is not None and exact else None
+            parts.append(f"{key}={'-' if ratio is None else f'{ratio:.4f}'}")
+    return " ".join(parts)
+
+
+def _markdown(rows: list[dict[str, Any]], columns: list[str], command: str, args: argparse.Namespace) -> str:
+    feasible = [r for r in rows if r["exact"] is not None]
+    lines = [
+        SECTION,
+        "",
+        f"Command: `{command}`  ",
+        f"{len(rows)} generated problems (seeds {args.seed}..{args.seed + len(rows) - 1}, "
+        f"{args.layers[0]}..{args.layers[1]} layers, {args.types[0]}..{args.types[1]} types), "
+        f"{len(feasible)} with a feasible plan; {platform.node()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "`-policy` columns: the policy's own best plan (greedy rollout / sampled episodes) before local polishing.",
+        "",
+        "| scheduler | median cost / exact | worst | feasible when exact is | median s | max s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for column in columns:
+        ratios = [r[column] / r["exact"] for r in feasible if r.get(column) is not None and r["exact"] > 0]
+        found = sum(1 for r in feasible if r.get(column) is not None)
+        seconds_key = column.removesuffix("-policy") + "_s"
+        seconds = [r[seconds_key] for r in rows if seconds_key in r]
+        median = f"{statistics.median(ratios):.4f}" if ratios else "-"
+        worst = f"{max(ratios):.4f}" if ratios else "-"
+        lines.append(
+            f"| {column} | {median} | {worst} | {found}/{len(feasible)} | "
+            f"{_fmt(statistics.median(seconds) if seconds else math.nan)} | {_fmt(max(seconds) if seconds else math.nan)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
+
+
+def _replace_section(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    if SECTION in text:
+        start = text.index(SECTION)
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("" if end < 0 else text[end:])
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + section
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

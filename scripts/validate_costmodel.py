@@ -1,0 +1,185 @@
+"""Validate the cost model against real runs: profile ctr_dnn on the local two-CPU-type cluster, then
+for several plans compare the throughput predicted by the analytic model (DESIGN.md §3) and by the
+pipeline simulator with the throughput the runtime measures (heterps_ray.runtime.driver.train).
+
+    .venv/bin/python scripts/validate_costmodel.py                 # profile + 4 plans, ~5-10 min here
+    .venv/bin/python scripts/validate_costmodel.py --problem runs/validate_costmodel/problem.yaml
+
+Writes the problem file (+ raw measurements), results.json and table.md under --output-dir and
+prints the table (the "## Cost model validation" section of BENCHMARKS.md comes from it).
+Each DataWorker trains on exactly 65,536 rows (128 batches of 512): the runtime reads and hashes
+input in chunks of 65,536 rows, so a whole chunk makes the measured read cost per sample the same
+as the profiled one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS_PER_CHUNK = 1 << 16  # heterps_ray.data.dataset reads and converts 65,536 rows at a time
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    assignment: tuple[str, ...]
+    replicas: tuple[int, ...]
+    mode: str
+    micro_batches: int
+    ps_shards: int = 1
+
+
+S, B = "cpu_small", "cpu_big"
+CASES = (
+    Case("1 stage, sync", (S,) * 6, (1,), "sync", 1),
+    Case("2 stages, sync", (S, B, B, B, B, B), (1, 1), "sync", 1),
+    Case("2 stages, sync, 4 micro-batches", (S, B, B, B, B, B), (1, 1), "sync", 4),
+    Case("3 stages, sync", (S, B, B, S, S, S), (1, 1, 1), "sync", 1),
+    Case("3 stages, async, 2 DataWorkers", (S, B, B, S, S, S), (2, 1, 1), "async", 1),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "validate_costmodel")
+    parser.add_argument(
+        "--problem", type=Path, default=None, help="reuse a profiled problem (skip profiling)"
+    )
+    parser.add_argument(
+        "--rows", type=int, default=200_000, help="synthetic dataset rows (2 train partitions)"
+    )
+    parser.add_argument("--batches-per-worker", type=int, default=ROWS_PER_CHUNK // 512)
+    parser.add_argument("--repeat-factor", type=int, default=1, help="profile repeats multiplier")
+    parser.add_argument("--cases", nargs="*", type=int, default=None, help="indices of CASES to run")
+    args = parser.parse_args()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+
+    import ray
+
+    from heterps_ray.config import load_job, read_yaml
+    from heterps_ray.costmodel import CostModel, load_problem
+    from heterps_ray.costmodel.simulator import simulate
+    from heterps_ray.profiling.fit import runtime_path, simulator_options, write_problem
+    from heterps_ray.profiling.profiler import ProfileSettings, profile
+    from heterps_ray.runtime.driver import train
+    from heterps_ray.scheduling import Plan
+
+    data = args.output_dir / "data"
+    if not (data / "meta.json").exists():
+        from heterps_ray.data.synth import synthesize
+
+        synthesize(data, args.rows, seed=0)
+    job_file = args.output_dir / "job.yaml"
+    job_file.write_text(
+        f"name: validate-costmodel\nmodel: {REPO / 'configs/models/ctr_dnn.yaml'}\n"
+        f"cluster: {REPO / 'configs/clusters/local.yaml'}\ndata: {{path: {data}}}\nbatch_size: 512\n"
+        f"samples: 100000000\nthroughput_min: 0\noutput_dir: {args.output_dir / 'run'}\n"
+    )
+    job = load_job(job_file)
+    ray.init(
+        num_cpus=2,
+        resources=job.cluster.local_resources(),
+        object_store_memory=1 << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    load = [os.getloadavg()[0]]
+    problem_file = args.problem
+    if problem_file is None:
+        t0 = time.perf_counter()
+        result = profile(job, ProfileSettings().scaled(args.repeat_factor))
+        problem_file = write_problem(
+            result, args.output_dir / "problem.yaml", header=result.problem["notes"]
+        )["problem"]
+        print(
+            f"profiled in {time.perf_counter() - t0:.0f} s -> {problem_file} ({len(result.flags)} poor fits)"
+        )
+    problem = load_problem(problem_file)
+    extras = (
+        simulator_options(read_yaml(runtime_path(problem_file)))
+        if runtime_path(problem_file).exists()
+        else {}
+    )
+    model = CostModel(problem)
+
+    rows: list[dict[str, Any]] = []
+    cases = [CASES[i] for i in args.cases] if args.cases is not None else list(CASES)
+    for case in cases:
+        evaluation = model.evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
+        plan = Plan.from_evaluation(problem, evaluation, "validation")
+        workers = case.replicas[0]
+        steps = args.batches_per_worker * workers
+        case_job = load_job(job_file, {"mode": case.mode, "runtime.micro_batches": case.micro_batches})
+        sim = simulate(
+            problem,
+            plan,
+            batches=steps,
+            micro_batches=case.micro_batches,
+            mode=case.mode,  # type: ignore[arg-type]
+            max_in_flight=case_job.runtime.max_in_flight,
+            **extras,
+        )
+        load.append(os.getloadavg()[0])
+        summary = train(case_job, plan, steps=steps, progress=False, save=False)
+        measured = summary.throughput
+        row = {
+            "case": case.name,
+            "stages": " | ".join(f"{'+'.join(s.layers)} on {s.type} x{s.replicas}" for s in plan.stages),
+            "mode": case.mode,
+            "micro_batches": case.micro_batches,
+            "batches": steps,
+            "measured": measured,
+            "analytic": evaluation.throughput,
+            "simulator": sim.throughput,
+            "analytic_error": evaluation.throughput / measured - 1.0,
+            "simulator_error": sim.throughput / measured - 1.0,
+            "measured_busy": [s["busy"] for s in summary.stages],
+            "simulated_busy": sim.utilisation,
+            "load_average": os.getloadavg()[0],
+        }
+        rows.append(row)
+        print(
+            f"{case.name:<34} measured {measured:8,.0f}  analytic {evaluation.throughput:8,.0f} "
+            f"({row['analytic_error']:+.0%})  simulator {sim.throughput:8,.0f} ({row['simulator_error']:+.0%})  "
+            f"busy measured {_pct(row['measured_busy'])} simulated {_pct(sim.utilisation)}",
+            flush=True,
+        )
+    ray.shutdown()
+    table = _markdown(rows)
+    (args.output_dir / "results.json").write_text(
+        json.dumps({"problem": str(problem_file), "rows": rows}, indent=2)
+    )
+    (args.output_dir / "table.md").write_text(table)
+    print()
+    print(table)
+    print(f"1-min load average during the runs: {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} CPUs")
+
+
+def _pct(values: list[float]) -> str:
+    return "/".join(f"{v:.0%}" for v in values)
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| plan | mode | K | measured (samples/s) | analytic | error | simulator | error | busy measured | busy simulated |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {r['measured']:,.0f} | {r['analytic']:,.0f} | "
+            f"{r['analytic_error']:+.0%} | {r['simulator']:,.0f} | {r['simulator_error']:+.0%} | "
+            f"{_pct(r['measured_busy'])} | {_pct(r['simulated_busy'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""`heterps data convert` and the dataset directory: round trip, order, partitions, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from heterps_ray.cli import main
+from heterps_ray.data.convert import convert
+from heterps_ray.data.criteo import read_table, table_to_batch, write_text
+from heterps_ray.data.dataset import Dataset, partition_files
+from heterps_ray.errors import ConfigError, DataError
+
+
+@pytest.fixture(scope="module")
+def sample_dataset(criteo_sample, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds") / "sample"
+    convert([criteo_sample], out, rows_per_part=50, eval_fraction=0.1, strict=True)
+    return Dataset(out)
+
+
+def _concat(batches):
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def test_convert_round_trip_splits_every_tenth_row_to_eval(sample_dataset, criteo_sample):
+    ds = sample_dataset
+    assert ds.num_rows("train") == 180 and ds.num_rows("eval") == 20
+    assert [f.name for f in ds.files("train")] == [f"part-{i:05d}.parquet" for i in range(4)]
+    assert len(ds.files("eval")) == 1
+    assert ds.meta["rows"] == {"train": 180, "eval": 20} and ds.meta["files"] == {"train": 4, "eval": 1}
+    assert ds.meta["bad_rows"]["count"] == 0 and ds.meta["source"] == [str(criteo_sample.resolve())]
+
+    everything = table_to_batch(read_table(criteo_sample))
+    to_eval = np.arange(200) % 10 == 9
+    for split, rows in (("train", ~to_eval), ("eval", to_eval)):
+        loaded = ds.load(split)
+        for key, value in everything.items():
+            np.testing.assert_array_equal(loaded[key], value[rows])
+
+
+def test_iter_batches_keeps_order_across_files_and_drops_the_last_partial_batch(sample_dataset):
+    ds = sample_dataset
+    whole = ds.load("train")
+    batches = list(ds.iter_batches("train", 64))  # 180 rows over files of 50: batches span files
+    assert [len(b["label"]) for b in batches] == [64, 64]
+    for key, value in _concat(batches).items():
+        np.testing.assert_array_equal(value, whole[key][:128])
+    kept = list(ds.iter_batches("train", 64, drop_last=False))
+    assert [len(b["label"]) for b in kept] == [64, 64, 52]
+    for key, value in _concat(kept).items():
+        np.testing.assert_array_equal(value, whole[key])
+    assert list(ds.iter_batches("train", 64)) and kept[0]["keys"].dtype == np.int64
+
+
+def test_partitions_are_disjoint_deterministic_and_cover_the_split(sample_dataset):
+    files = sample_dataset.files("train")
+    parts = [partition_files(files, 3, i) for i in range(3)]
+    assert parts == [partition_files(list(reversed(files)), 3, i) for i in range(3)]
+    assert sorted(f for p in parts for f in p) == files
+    assert all(set(a).isdisjoint(b) for a in parts for b in parts if a is not b)
+    rows = sum(len(sample_dataset.load("train", files=p)["label"]) for p in parts)
+    assert rows == 180
+    assert partition_files(files, 8, 7) == []
+    with pytest.raises(ValueError):
+        partition_files(files, 2, 2)
+
+
+def test_bad_rows_are_reported_in_meta_or_stop_a_strict_convert(criteo_sample, tmp_path):
+    tsv = tmp_path / "day.tsv"
+    write_text(read_table(criteo_sample), tsv)
+    lines = tsv.read_text().split("\n")
+    lines[6] = "1\t2\t3"  # line 7: wrong field count
+    tsv.write_text("\n".join(lines))
+    meta = convert([tsv], tmp_path / "out")
+    assert meta["rows"]["train"] + meta["rows"]["eval"] == 199
+    assert meta["bad_rows"]["examples"] == [f"{tsv}:7: expected 40 fields, got 3"]
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["bad_rows"]["count"] == 1
+
+    with pytest.raises(DataError, match=f"{tsv}:7"):
+        convert([tsv], tmp_path / "strict", strict=True)
+    assert not (tmp_path / "strict").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dir left
+
+
+def test_missing_inputs_and_outputs_are_data_errors(criteo_sample, tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        convert([tmp_path / "missing.tsv"], tmp_path / "out")
+    with pytest.raises(DataError, match="not a dataset directory"):
+        Dataset(tmp_path / "nothing-here")
+    convert([criteo_sample], tmp_path / "ok")
+    with pytest.raises(DataError, match="unknown split"):
+        Dataset(tmp_path / "ok").files("test")
+    with pytest.raises(DataError, match="already there"):
+        convert([criteo_sample], tmp_path / "ok")
+    assert convert([criteo_sample], tmp_path / "ok", eval_fraction=0.5, overwrite=True)["rows"]["eval"] == 100
+    with pytest.raises(ConfigError, match="eval_fraction"):
+        convert([criteo_sample], tmp_path / "x", eval_fraction=0.9)
+
+
+def test_cli_convert_and_info_exit_codes(criteo_sample, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["data", "convert", str(criteo_sample), "--output", str(out), "--rows-per-part", "64"]) == 0
+    assert "train 180 rows in 3 files, eval 20 rows in 1 files" in capsys.readouterr().out
+    assert main(["data", "info", str(out)]) == 0
+    assert "train: 180 rows in 3 files" in capsys.readouterr().out
+
+    assert main(["data", "convert", str(tmp_path / "nope.tsv"), "-o", str(tmp_path / "o2")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("0\t1\n")
+    assert main(["data", "convert", str(bad), "-o", str(tmp_path / "o3"), "--strict"]) == 2
+    assert f"{bad}:1" in capsys.readouterr().err
+    assert main(["data", "convert", str(bad), "-o", str(tmp_path / "o4")]) == 2  # nothing valid left
+    assert (
+        main(["data", "convert", str(criteo_sample), "-o", str(tmp_path / "o5"), "--eval-fraction", "2"]) == 2
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "convert", str(criteo_sample), "-o", str(out), "--rows-per-part", "0"])
+    assert exc.value.code == 2

@@ -1,0 +1,198 @@
+"""The least-squares fits turn measurements into DESIGN.md §3 coefficients, and flag poor fits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from heterps_ray.config import ClusterConfig
+from heterps_ray.costmodel import load_problem
+from heterps_ray.errors import DataError
+from heterps_ray.profiling.fit import (
+    COLUMNS,
+    LayerInfo,
+    fit_line,
+    fit_problem,
+    parallel_fraction,
+    runtime_path,
+    simulator_options,
+    write_problem,
+)
+
+CLUSTER = ClusterConfig.model_validate(
+    {
+        "name": "two",
+        "resource_types": [
+            {"name": "small", "price_per_hour": 0.1, "max_instances": 4, "io_bandwidth_gbps": 3.0},
+            {"name": "big", "price_per_hour": 0.3, "max_instances": 2},
+        ],
+        "ps": {"resource": "small", "min_shards": 1},
+    }
+)
+LAYERS = [
+    LayerInfo("embedding", 988, 26, 0.9, 0),
+    LayerInfo("fc1", 2048, 0, 0.99, 126976),
+    LayerInfo("logit", 4, 0, 0.9, 33),
+]
+# Known truth per (layer, type): fixed ms, per-sample ms, parallel fraction.
+TRUTH = {
+    ("embedding", "small"): (0.3, 0.002, 0.8),
+    ("embedding", "big"): (0.5, 0.001, 0.6),
+    ("fc1", "small"): (1.0, 0.040, 0.9),
+    ("fc1", "big"): (2.0, 0.015, 0.5),
+    ("logit", "small"): (0.2, 0.0005, 1.0),
+    ("logit", "big"): (0.25, 0.0004, 0.3),
+}
+LATENCY = {"small": 2.0, "big": 1.5}  # ms per message, both ends
+BANDWIDTH = {"small": 8.0, "big": 20.0}  # Gbit/s
+BATCH_SIZES = (64, 128, 256, 512, 1024)
+
+
+def _row(**fields: object) -> dict[str, object]:
+    row: dict[str, object] = {c: 0 for c in COLUMNS}
+    row.update(
+        {"peer": "", "layer": "", "forward_ms": np.nan, "backward_ms": np.nan, "replicas": 1, "calls": 1}
+    )
+    row.update(fields)
+    return row
+
+
+def _measurements(noise: float, seed: int = 0) -> pd.DataFrame:
+    """Synthetic profile: the truth above with multiplicative noise `noise` on every timing."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (layer, rtype), (fixed, per_sample, alpha) in TRUTH.items():
+        for b in BATCH_SIZES:
+            for rep in range(5):
+                ms = (fixed + per_sample * b) * (1 + noise * rng.standard_normal())
+                rows.append(_row(kind="layer", resource=rtype, layer=layer, batch_size=b, repeat=rep,
+                                 forward_ms=ms / 3, backward_ms=2 * ms / 3, ms=ms))  # fmt: skip
+        speedup = 1.0 / ((1 - alpha) + alpha / 2)
+        for rep in range(3):
+            rows.append(_row(kind="layer_pair", resource=rtype, layer=layer, batch_size=512, replicas=1,
+                             calls=40, repeat=rep, ms=60.0))  # fmt: skip
+            for _ in range(2):  # each of the two actors reaches speedup / 2 of the solo rate
+                rows.append(_row(kind="layer_pair", resource=rtype, layer=layer, batch_size=512, replicas=2,
+                                 calls=40, repeat=rep, ms=60.0 * 2 / speedup))  # fmt: skip
+    for rtype in ("small", "big"):
+        for nbytes in (4096, 65536, 1 << 20, 4 << 20):
+            for rep in range(5):
+                ms = (LATENCY[rtype] + nbytes / (BANDWIDTH[rtype] * 125_000)) * (
+                    1 + noise * rng.standard_normal()
+                )
+                rows.append(
+                    _row(kind="transfer", resource=rtype, peer="big", nbytes=nbytes, repeat=rep, ms=ms)
+                )
+        for rep in range(3):
+            # 264 bytes per sample read at 0.1 Gbit/s = 12,500 bytes/ms
+            rows.append(_row(kind="input", resource=rtype, rows=16384, repeat=rep, ms=16384 * 264 / 12_500))
+    for rep in range(3):  # 8 requests of 13,312 rows in 100 ms: 1.06e6 rows/s, pull 40% of it
+        rows.append(_row(kind="ps", resource="small", rows=13312, calls=8, repeat=rep,
+                         forward_ms=40.0, backward_ms=60.0, ms=100.0))  # fmt: skip
+        rows.append(_row(kind="ps_dense", resource="small", rows=100_000, calls=8, repeat=rep, ms=40.0))
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _fit(measurements: pd.DataFrame):
+    return fit_problem(
+        measurements,
+        cluster=CLUSTER,
+        layers=LAYERS,
+        batch_size=512,
+        samples=10**7,
+        throughput_min=1000.0,
+        name="synthetic",
+        input_bytes_per_sample=264,
+    )
+
+
+def test_fit_recovers_known_coefficients_and_writes_a_loadable_problem(tmp_path):
+    result = _fit(_measurements(noise=0.01))
+    assert result.flags == []
+    layers = {layer["name"]: layer for layer in result.problem["layers"]}
+    for (layer, rtype), (fixed, per_sample, _) in TRUTH.items():
+        coeff = layers[layer]["time_ms"][rtype]
+        assert coeff["per_sample"] == pytest.approx(per_sample, rel=0.05)
+        assert coeff["fixed"] == pytest.approx(fixed, abs=0.1 * (fixed + per_sample * 512))
+    # parallel fraction: time-weighted over the two types at the batch size
+    for name in ("embedding", "fc1", "logit"):
+        w = {t: TRUTH[(name, t)][0] + TRUTH[(name, t)][1] * 512 for t in ("small", "big")}
+        expected = sum(TRUTH[(name, t)][2] * w[t] for t in w) / sum(w.values())
+        assert layers[name]["parallel_fraction"] == pytest.approx(expected, abs=0.02)
+    resources = {r["name"]: r for r in result.problem["resources"]}
+    for rtype in ("small", "big"):
+        assert resources[rtype]["bandwidth_gbps"] == pytest.approx(BANDWIDTH[rtype], rel=0.05)
+        assert resources[rtype]["latency_ms"] == pytest.approx(LATENCY[rtype] / 2, rel=0.05)
+        assert resources[rtype]["io_bandwidth_gbps"] == pytest.approx(0.1, rel=1e-6)
+        assert resources[rtype]["price_per_hour"] == CLUSTER.type(rtype).price_per_hour
+    assert result.problem["ps"]["rows_per_second_per_shard"] == pytest.approx(8 * 13312 / 0.1, rel=1e-6)
+    assert result.runtime["ps_pull_share"] == pytest.approx(0.4)
+    assert result.runtime["dense_ms_per_param"] == pytest.approx(40.0 / 8 / 100_000)
+    assert result.runtime["dense_params"]["fc1"] == 126976
+    assert result.runtime["forward_fraction"] == pytest.approx(1 / 3, rel=0.02)
+
+    paths = write_problem(result, tmp_path / "p.yaml")
+    problem = load_problem(paths["problem"])
+    assert problem.layer_names == ["embedding", "fc1", "logit"]
+    assert all(set(layer.time_ms) == {"small", "big"} for layer in problem.layers)
+    assert problem.input_bytes_per_sample == 264
+    assert len(pd.read_parquet(paths["measurements"])) == len(result.measurements)
+    assert set(pd.read_csv(paths["quality"])["what"]) == {"layer", "transfer", "input", "ps"}
+    assert paths["runtime"] == runtime_path(paths["problem"])
+    from heterps_ray.config import read_yaml
+
+    assert set(simulator_options(read_yaml(paths["runtime"]))) == {
+        "pull_share",
+        "dense_ms_per_param",
+        "dense_params",
+        "forward_fraction",
+    }
+
+
+def test_noisy_and_negative_fits_are_flagged_not_hidden(tmp_path):
+    measurements = _measurements(noise=0.01)
+    layer = measurements["kind"] == "layer"
+    rng = np.random.default_rng(1)
+    # logit on big: pure noise around 1 ms (no trend) -> low R²
+    noisy = layer & (measurements["layer"] == "logit") & (measurements["resource"] == "big")
+    measurements.loc[noisy, "ms"] = 1.0 + 0.5 * rng.random(int(noisy.sum()))
+    # fc1 on small: time falls with batch size -> negative per-sample coefficient
+    falling = layer & (measurements["layer"] == "fc1") & (measurements["resource"] == "small")
+    measurements.loc[falling, "ms"] = 50.0 - 0.01 * measurements.loc[falling, "batch_size"]
+    result = _fit(measurements)
+    text = " | ".join(result.flags)
+    assert "layer logit on big" in text and "R²" in text
+    assert "layer fc1 on small" in text and "negative coefficient" in text
+    quality = result.quality.set_index(["what", "layer", "resource"])
+    assert quality.loc[("layer", "logit", "big"), "r2"] < 0.9
+    assert quality.loc[("layer", "fc1", "small"), "raw_slope"] < 0
+    # The problem file stays usable: clamped coefficients are non-negative; the flags are on top.
+    paths = write_problem(result, tmp_path / "p.yaml")
+    head = paths["problem"].read_text().splitlines()[0]
+    assert head.startswith("# POOR FITS (")
+    fc1 = load_problem(paths["problem"]).layers[1].time_ms["small"]
+    assert fc1.fixed >= 0 and fc1.per_sample >= 0
+
+
+@pytest.mark.parametrize(
+    ("speedup", "alpha"), [(2.0, 1.0), (1.0, 0.0), (1.6, 0.75), (1 / 0.55, 0.9), (2.5, 1.0), (0.7, 0.0)]
+)
+def test_parallel_fraction_inverts_amdahl_and_clips(speedup, alpha):
+    assert parallel_fraction(speedup) == pytest.approx(alpha)
+
+
+def test_fit_line_is_exact_on_a_line_and_rejects_one_point():
+    fit = fit_line([64, 128, 512], [1.0 + 0.01 * 64, 1.0 + 0.01 * 128, 1.0 + 0.01 * 512])
+    assert (
+        fit.intercept == pytest.approx(1.0)
+        and fit.slope == pytest.approx(0.01)
+        and fit.r2 == pytest.approx(1.0)
+    )
+    with pytest.raises(DataError):
+        fit_line([512, 512], [1.0, 2.0])
+
+
+def test_measurements_without_the_columns_are_a_data_error():
+    with pytest.raises(DataError, match="columns"):
+        _fit(pd.DataFrame({"kind": ["layer"]}))

@@ -1,0 +1,182 @@
+"""Plans as data (JSON, table, checked against their problem) and the `heterps plan` / `compare` CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from heterps_ray.cli import main
+from heterps_ray.costmodel import load_problem
+from heterps_ray.errors import ConfigError
+from heterps_ray.scheduling import Plan, get_scheduler, load_plan, provision
+
+REPO = Path(__file__).resolve().parents[1]
+CTR = REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml"
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return load_problem(CTR)
+
+
+@pytest.fixture(scope="module")
+def plan(problem):
+    return get_scheduler("exact").schedule(problem)
+
+
+def test_plan_json_has_the_contract_fields(plan):
+    data = json.loads(plan.to_json())
+    for key in (
+        "assignment",
+        "stages",
+        "ps_shards",
+        "throughput",
+        "cost",
+        "cost_rate",
+        "feasible",
+        "scheduler",
+        "seconds",
+    ):
+        assert key in data
+    assert len(data["assignment"]) == 6
+    for stage in data["stages"]:
+        assert {"layers", "type", "replicas", "stage_ms", "throughput"} <= set(stage)
+
+
+def test_plan_round_trips_through_json(plan, problem, tmp_path):
+    path = plan.save(tmp_path / "plan.json")
+    assert load_plan(path, problem) == plan
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_with_unlimited_ps_round_trips(tmp_path):
+    data = yaml.safe_load(CTR.read_text())
+    data["ps"].pop("rows_per_second_per_shard")
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    problem = load_problem(path)
+    plan = provision(problem, ["cpu"] + ["t4"] * 5)
+    assert plan.ps_throughput == float("inf")
+    assert "Infinity" not in plan.to_json()  # strict JSON
+    assert load_plan(plan.save(tmp_path / "plan.json"), problem) == plan
+
+
+def test_plan_table_has_summary_units_and_totals(plan):
+    text = plan.table()
+    first = text.splitlines()[0]
+    assert "exact" in first and "plans evaluated" in first and "feasible" in first and " s " in first
+    for header in ("layers", "type", "replicas", "stage time (ms)", "throughput (samples/s)"):
+        assert header in text
+    assert "$/h" in text and "total cost" in text and f"{plan.cost:,.4f} $" in text
+
+
+def _edited(plan: Plan, tmp_path: Path, edit) -> Path:
+    data = json.loads(plan.to_json())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_plan_with_wrong_layer_count_is_rejected(plan, problem, tmp_path):
+    path = _edited(plan, tmp_path, lambda d: d["assignment"].pop())
+    with pytest.raises(ConfigError) as info:
+        load_plan(path, problem)
+    assert info.value.field == "assignment" and str(path) in str(info.value)
+
+
+def test_plan_with_unknown_type_is_rejected(plan, problem, tmp_path):
+    def edit(d):
+        d["assignment"][0] = "h100"
+
+    with pytest.raises(ConfigError) as info:
+        load_plan(_edited(plan, tmp_path, edit), problem)
+    assert info.value.field == "assignment.0"
+
+
+def test_plan_whose_stages_disagree_with_its_assignment_is_rejected(plan, problem, tmp_path):
+    def edit(d):
+        d["stages"][0]["type"] = "a100"
+
+    with pytest.raises(ConfigError) as info:
+        load_plan(_edited(plan, tmp_path, edit), problem)
+    assert info.value.field == "stages.0"
+
+
+def test_plan_missing_a_field_is_rejected(plan, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_plan(_edited(plan, tmp_path, lambda d: d.pop("ps_shards")))
+    assert info.value.field == "ps_shards"
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def test_heterps_plan_prints_and_writes_the_plan(tmp_path, capsys, problem):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--problem", str(CTR), "--scheduler", "greedy", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "plan by greedy" in printed and "total cost" in printed
+    plan = load_plan(out, problem)
+    assert plan.scheduler == "greedy" and plan.feasible
+
+
+def test_heterps_plan_single_type(capsys):
+    assert main(["plan", "--problem", str(CTR), "--scheduler", "single:v100"]) == 0
+    assert "single:v100" in capsys.readouterr().out
+
+
+def test_heterps_plan_bad_problem_exits_2(tmp_path, capsys):
+    data = yaml.safe_load(CTR.read_text())
+    data["layers"][2]["time_ms"]["tpu"] = {"fixed": 1, "per_sample": 0}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--problem", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "layers.2.time_ms.tpu" in err and str(path) in err
+
+
+def test_heterps_plan_unknown_scheduler_exits_2(capsys):
+    assert main(["plan", "--problem", str(CTR), "--scheduler", "annealing"]) == 2
+    assert "scheduler" in capsys.readouterr().err
+
+
+def test_heterps_plan_unreachable_floor_exits_3_with_the_highest_throughput(tmp_path, capsys):
+    data = yaml.safe_load(CTR.read_text())
+    data["throughput_min"] = 5.0e6
+    path = tmp_path / "too_fast.yaml"
+    path.write_text(yaml.safe_dump(data))
+    best = get_scheduler("exact").schedule(load_problem(path)).best_throughput
+    assert main(["plan", "--problem", str(path), "--scheduler", "greedy"]) == 3
+    err = capsys.readouterr().err
+    assert "no plan meets the floor" in err and f"{best:,.0f} samples/s" in err and str(path) in err
+
+
+def test_python_dash_m_heterps_ray_runs_the_cli():
+    result = subprocess.run(
+        [sys.executable, "-m", "heterps_ray", "plan", "--problem", str(CTR), "--scheduler", "single:t4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "plan by single:t4" in result.stdout
+
+
+def test_heterps_compare_lists_each_scheduler_with_its_ratio(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    names = "greedy,random,single:cpu,single:t4"
+    assert main(["compare", "--problem", str(CTR), "--schedulers", names, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for header in ("cost ($)", "ratio to exact", "throughput (samples/s)", "feasible", "seconds"):
+        assert header in printed
+    rows = json.loads(out.read_text())
+    assert [r["scheduler"] for r in rows] == ["exact", "greedy", "random", "single:cpu", "single:t4"]
+    assert rows[0]["ratio_to_exact"] == pytest.approx(1.0)
+    assert all(r["ratio_to_exact"] >= 1 - 1e-9 for r in rows if r["feasible"])
+    assert rows[3]["ratio_to_exact"] > 1.5  # CPU only is far dearer for CTR-DNN here

@@ -1,0 +1,103 @@
+"""`heterps profile` on the real local Ray: actors per resource type measure a tiny model, and the
+result is a valid problem file with every layer on both local types, plus the raw measurements."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from heterps_ray.cli import main
+from heterps_ray.config import load_job
+from heterps_ray.costmodel import load_problem
+from heterps_ray.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# Four torch actors start on 2 cores: ~25 s on a quiet machine, over a minute on a busy one.
+@pytest.mark.slow
+def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, tmp_path, capsys):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny-profile",
+                "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [16, 8]},
+                "cluster": str(REPO / "configs" / "clusters" / "local.yaml"),
+                "data": {"path": str(tmp_path / "no-data-yet")},  # the profiler makes a small one
+                "batch_size": 128,
+                "samples": 1_000_000,
+                "throughput_min": 100,
+                "output_dir": str(tmp_path / "out"),
+            }
+        )
+    )
+    job = load_job(job_file)
+    spec = build_model(job.model)
+    output = tmp_path / "problem.yaml"
+
+    code = main(
+        [
+            "profile",
+            str(job_file),
+            "--output",
+            str(output),
+            "--batch-sizes",
+            "32,64,128",
+            "--quick",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "wrote" in out
+
+    problem = load_problem(output)
+    assert problem.layer_names == [layer.name for layer in spec.layers]
+    assert problem.type_names == ["cpu_small", "cpu_big"]
+    for layer in problem.layers:
+        assert set(layer.time_ms) == {"cpu_small", "cpu_big"}, layer.name
+        assert 0.0 <= layer.parallel_fraction <= 1.0
+        # somewhere between free and absurd for a 128-sample batch of a tiny layer
+        for coeff in layer.time_ms.values():
+            assert 0.0 < coeff.fixed + coeff.per_sample * 128 < 5_000.0
+    for resource in problem.resources:
+        cluster_type = job.cluster.type(resource.name)
+        assert resource.price_per_hour == cluster_type.price_per_hour
+        assert resource.max_instances == cluster_type.max_instances
+        assert resource.bandwidth_gbps > 0 and resource.latency_ms > 0 and resource.io_gbps > 0
+    assert problem.ps.resource == "cpu_small" and problem.ps_rows_per_second > 0
+    assert problem.layers[0].sparse_rows_per_sample == spec.num_slots
+    assert problem.input_bytes_per_sample == spec.input_bytes_per_sample
+    assert "cpu_small: cpu x1 threads" in problem.notes and "cpu_big: cpu x2 threads" in problem.notes
+
+    raw = pd.read_parquet(tmp_path / "problem.measurements.parquet")
+    assert set(raw["kind"]) == {"layer", "layer_pair", "transfer", "ps", "ps_dense", "input"}
+    layers = raw[raw["kind"] == "layer"]
+    assert len(layers) == 2 * spec.num_layers * 3 * 2  # types x layers x batch sizes x repeats (quick: 2)
+    assert (layers["forward_ms"] > 0).all() and (layers["backward_ms"] > 0).all()
+    assert set(raw.loc[raw["kind"] == "transfer", "peer"]) == {"cpu_small", "cpu_big"}
+    quality = pd.read_csv(tmp_path / "problem.fit.csv")
+    assert len(quality[quality["what"] == "layer"]) == 2 * spec.num_layers
+    assert quality["r2"].dropna().between(-1e9, 1.0 + 1e-9).all()
+    # Poor fits are listed on top of the problem file and printed, never dropped.
+    flagged = quality["flags"].fillna("").str.len().gt(0).sum()
+    head = output.read_text().splitlines()[: flagged + 8]
+    assert any(line.startswith("# POOR FITS") for line in head) == (flagged > 0)
+    runtime = yaml.safe_load((tmp_path / "problem.runtime.yaml").read_text())
+    assert runtime["dense_params"]["fc1"] == spec.layers[1].dense_params
+    assert 0.0 < runtime["ps_pull_share"] < 1.0
+
+    # The profiler's actors and PS shard are gone: every unit of both types is free again.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        free = ray_local.available_resources()
+        if free.get("cpu_small", 0) == 4 and free.get("cpu_big", 0) == 2:
+            break
+        time.sleep(0.5)
+    free = ray_local.available_resources()
+    assert (free.get("cpu_small"), free.get("cpu_big")) == (4, 2)

@@ -1,0 +1,183 @@
+"""Sync mode on a real local Ray: the pipeline trains exactly like the one-process reference trainer,
+whatever the number of PS shards or the stage split, and its stages land on their resource types."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.errors import ConfigError
+from heterps_ray.models import build_model
+from heterps_ray.runtime.checkpoint import load_checkpoint
+from heterps_ray.runtime.driver import SUMMARY_FILE, train
+from heterps_ray.runtime.reference import ReferenceTrainer
+from heterps_ray.scheduling.plan import load_plan
+
+REPO = Path(__file__).resolve().parents[1]
+PLANS = REPO / "configs" / "plans"
+MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}  # layers: embedding, fc1, fc2, logit
+STEPS = 100
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("runtime_sync") / "data"
+    synthesize(path, 10_000, seed=3, rows_per_part=3_000)  # 9,000 train rows: 140 batches of 64
+    return path
+
+
+def make_job(dataset: Path, output: Path, **changes) -> JobConfig:
+    runtime = {"micro_batches": 2, "max_in_flight": 2, **changes.pop("runtime", {})}
+    raw = {
+        "name": "sync-test",
+        "model": MODEL,
+        "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
+        "data": {"path": str(dataset)},
+        "batch_size": BATCH,
+        "samples": 10_000,
+        "throughput_min": 0,
+        "mode": "sync",
+        "output_dir": str(output),
+        "seed": 5,
+        "optimizer": {"dense_lr": 0.003},
+        "runtime": runtime,
+        **changes,
+    }
+    return JobConfig.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def reference(dataset):
+    from heterps_ray.data.dataset import Dataset
+
+    job = make_job(dataset, dataset.parent / "unused")
+    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+    history = trainer.fit(Dataset(dataset), BATCH, steps=STEPS, progress=False)
+    eval_batch = Dataset(dataset).load("eval")
+    return {"losses": history["loss"], "metrics": trainer.evaluate(eval_batch), "eval": eval_batch}
+
+
+@pytest.fixture(scope="module")
+def three_stage_run(ray_local, dataset, tmp_path_factory):
+    """`heterps train` of a 3-stage plan (data/embedding on cpu_small, fc1-fc2 on cpu_big, logit on
+    cpu_small), 2 PS shards, 2 micro-batches per batch (GPipe); returns its run_summary.json."""
+    from heterps_ray.cli import main
+
+    output = tmp_path_factory.mktemp("three_stage")
+    job_file = output / "job.yaml"
+    job_file.write_text(make_job(dataset, output / "run").model_dump_json())  # JSON is YAML
+    plan = str(PLANS / "small_three_stage.json")
+    assert main(["train", str(job_file), "--plan", plan, "--steps", str(STEPS), "--no-progress"]) == 0
+    return json.loads((output / "run" / SUMMARY_FILE).read_text()), output / "run", job_file
+
+
+def test_sync_three_stages_match_reference_losses_and_auc(three_stage_run, reference):
+    summary, _, _ = three_stage_run
+    assert summary["steps"] == STEPS and summary["samples"] == STEPS * BATCH and summary["ps_shards"] == 2
+    losses = np.array(summary["losses"])
+    diff = np.abs(losses - np.array(reference["losses"]))
+    print(f"max |loss - reference loss| over {STEPS} steps: {diff.max():.2e}")
+    assert diff.max() < 1e-4
+    assert losses[-20:].mean() < losses[:20].mean()  # it actually learns
+    print(f"AUC pipeline {summary['auc']:.6f} reference {reference['metrics']['auc']:.6f}")
+    assert abs(summary["auc"] - reference["metrics"]["auc"]) < 1e-3
+    assert abs(summary["logloss"] - reference["metrics"]["logloss"]) < 1e-3
+    assert summary["eval_rows"] == len(reference["eval"]["label"])
+    assert [s["layers"] for s in summary["stages"]] == [["embedding"], ["fc1", "fc2"], ["logit"]]
+    assert all(0 < s["busy"] <= 1.0 + 1e-6 for s in summary["stages"])
+    assert summary["throughput"] > 0 and summary["seconds"] > 0
+
+
+def test_saved_model_predicts_like_the_run(three_stage_run, reference):
+    summary, output, _ = three_stage_run
+    ckpt = load_checkpoint(output / "model")
+    for f in (output / "model").rglob("*.npz"):
+        np.load(f, allow_pickle=False).close()  # plain arrays, no pickle inside
+    from heterps_ray.runtime.evaluation import evaluate_logits
+
+    metrics = evaluate_logits(reference["eval"]["label"], ckpt.predict(reference["eval"]))
+    assert metrics["auc"] == pytest.approx(summary["auc"], abs=1e-6)
+    assert metrics["logloss"] == pytest.approx(summary["logloss"], abs=1e-6)
+
+
+def test_stages_land_on_their_resource_types(three_stage_run):
+    summary, _, _ = three_stage_run
+    by_role = {}
+    for p in summary["placement"]:
+        by_role.setdefault((p["role"], p.get("stage")), []).append(p)
+    (data,) = by_role[("data", 0)]
+    (fc,) = by_role[("stage", 1)]
+    (tail,) = by_role[("stage", 2)]
+    assert data["resources"].get("cpu_small") == 1.0 and data["torch_threads"] == 1
+    assert (
+        fc["resources"].get("cpu_big") == 1.0
+        and fc["resources"].get("CPU") == 0.5
+        and fc["torch_threads"] == 2
+    )
+    assert tail["resources"].get("cpu_small") == 1.0 and tail["torch_threads"] == 1
+    shards = by_role[("ps", None)]
+    assert len(shards) == 2 and all(s["resources"].get("cpu_small") == 1.0 for s in shards)
+    assert len({data["pid"], fc["pid"], tail["pid"], *(s["pid"] for s in shards)}) == 5  # separate processes
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_shard_count_and_stage_split_leave_the_model_unchanged(
+    ray_local, dataset, tmp_path, three_stage_run, num_shards
+):
+    """1 or 4 shards on a 2-stage split with 1 or 4 micro-batches = the 2-shard 3-stage model."""
+    _, base_output, _ = three_stage_run
+    job = make_job(
+        dataset, tmp_path, runtime={"ps_shards": num_shards, "micro_batches": 1 if num_shards == 1 else 4}
+    )
+    summary = train(job, load_plan(PLANS / "small_two_stage.json"), steps=STEPS, progress=False)
+    assert summary.ps_shards == num_shards and len(summary.ps) == num_shards
+    base, other = load_checkpoint(base_output / "model"), load_checkpoint(tmp_path / "model")
+    base_sparse, other_sparse = base.table.state(), other.table.state()
+    np.testing.assert_array_equal(base_sparse["keys"], other_sparse["keys"])
+    sparse_diff = np.abs(base_sparse["weights"] - other_sparse["weights"]).max()
+    dense_diff = max(
+        (a - b).abs().max().item() for a, b in zip(base.net.parameters(), other.net.parameters(), strict=True)
+    )
+    print(f"{num_shards} shards vs 2: max |sparse diff| {sparse_diff:.1e}, max |dense diff| {dense_diff:.1e}")
+    assert sparse_diff < 1e-5 and dense_diff < 1e-5
+
+
+def test_plan_mistakes_are_config_errors(dataset, tmp_path):
+    plan = load_plan(PLANS / "small_three_stage.json")
+    wrong_model = make_job(dataset, tmp_path, model={"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32]})
+    with pytest.raises(ConfigError, match="assignment"):
+        train(wrong_model, plan, steps=1, progress=False)
+    with pytest.raises(ConfigError, match="1 in sync mode"):
+        train(make_job(dataset, tmp_path), load_plan(PLANS / "small_async.json"), steps=1, progress=False)
+    too_many = make_job(dataset, tmp_path, runtime={"ps_shards": 4})  # 4 shards + 2 workers on cpu_small
+    with pytest.raises(ConfigError, match="max_instances=4"):
+        train(too_many, plan, steps=1, progress=False)
+
+
+def test_output_dir_with_a_previous_run_is_refused(dataset, tmp_path):
+    (tmp_path / SUMMARY_FILE).write_text("{}")
+    with pytest.raises(ConfigError, match="--overwrite"):
+        train(
+            make_job(dataset, tmp_path), load_plan(PLANS / "small_three_stage.json"), steps=1, progress=False
+        )
+    assert (tmp_path / SUMMARY_FILE).read_text() == "{}"
+
+
+def test_cli_refuses_a_second_run_and_a_bad_plan(three_stage_run, tmp_path, capsys):
+    from heterps_ray.cli import main
+
+    _, _, job_file = three_stage_run
+    plan = PLANS / "small_three_stage.json"
+    assert main(["train", str(job_file), "--plan", str(plan), "--steps", "5", "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    bad_plan = tmp_path / "bad.json"
+    bad_plan.write_text(json.dumps({**json.loads(plan.read_text()), "assignment": ["cpu_small"]}))
+    assert main(["train", str(job_file), "--plan", str(bad_plan), "--overwrite"]) == 2
+    assert "field 'assignment': expected 4 entries" in capsys.readouterr().err

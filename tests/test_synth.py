@@ -1,0 +1,103 @@
+"""`heterps data synth`: a known achievable AUC, power-law keys, determinism, the same read path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from heterps_ray.cli import main
+from heterps_ray.data.dataset import Dataset
+from heterps_ray.data.synth import HiddenModel, SynthSpec, synthesize
+from heterps_ray.errors import ConfigError
+
+_ROWS = 20_000
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "s20k"
+    synthesize(out, _ROWS, seed=3, rows_per_part=8_000)
+    return Dataset(out)
+
+
+def test_small_synth_knows_its_achievable_auc(small):
+    meta = small.meta
+    print(
+        f"achievable AUC {meta['achievable_auc']:.4f} (expected {meta['expected_auc']}), ctr {meta['ctr']:.4f}"
+    )
+    assert 0.6 < meta["achievable_auc"] < 0.95
+    assert abs(meta["achievable_auc"] - meta["expected_auc"]) < 0.04  # 2,000 eval rows: sampling noise
+    assert abs(meta["ctr"] - 0.25) < 0.02
+    assert meta["kind"] == "synthetic" and meta["rows"] == {"train": 18_000, "eval": 2_000}
+    assert small.num_rows("train") == 18_000 and len(small.files("train")) == 3
+    batch = small.load("eval")
+    assert abs(batch["label"].mean() - meta["ctr"]) < 0.03
+
+
+def test_key_frequencies_follow_a_power_law(small):
+    keys = small.load("train")["keys"]
+    truth = small.meta["truth"]
+    slot = int(np.argmax(truth["vocab_sizes"]))  # the largest vocabulary shows the tail best
+    _, counts = np.unique(keys[:, slot], return_counts=True)
+    counts = np.sort(counts)[::-1]
+    ranks = np.arange(1, 31)
+    slope = np.polyfit(np.log(ranks), np.log(counts[:30]), 1)[0]
+    print(f"slot C{slot + 1}: {len(counts)} distinct keys, log-log slope {slope:.2f}")
+    assert -2.0 < slope < -0.7
+    assert counts[0] > 20 * counts[29]  # a few keys dominate
+    assert len(counts) <= truth["vocab_sizes"][slot] + 1  # values of the vocabulary (+ missing)
+    distinct = [len(np.unique(keys[:, s])) for s in range(keys.shape[1])]
+    assert min(distinct) >= 20 and max(distinct) < 10_001
+
+
+def test_values_are_criteo_like_strings_and_missing_where_criteo_has_them(small):
+    raw = pq.read_table(small.files("train")[0])
+    values = raw.column("C1").drop_null().to_pylist()[:100]
+    assert all(len(v) == 8 and int(v, 16) >= 0 for v in values)
+    missing = [raw.column(f"C{s + 1}").null_count / raw.num_rows for s in range(26)]
+    assert sum(m > 0.1 for m in missing) == 6
+    assert raw.column("I1").type.id == raw.schema.field("I5").type.id  # float64 counts
+    assert all(v == int(v) and v >= 0 for v in raw.column("I5").drop_null().to_pylist()[:100])
+
+
+def test_same_seed_same_data_other_seed_other_data(small, tmp_path):
+    synthesize(tmp_path / "again", _ROWS, seed=3, rows_per_part=8_000)
+    again = Dataset(tmp_path / "again")
+    for key, value in small.load("eval").items():
+        np.testing.assert_array_equal(again.load("eval")[key], value)
+    assert again.meta["achievable_auc"] == small.meta["achievable_auc"]
+    other = HiddenModel(4)
+    assert other.vocab_sizes.tolist() != small.meta["truth"]["vocab_sizes"]
+
+
+def test_target_auc_moves_the_truth(tmp_path):
+    easy = synthesize(tmp_path / "easy", 10_000, seed=1, spec=SynthSpec(target_auc=0.9))
+    hard = synthesize(tmp_path / "hard", 10_000, seed=1, spec=SynthSpec(target_auc=0.65))
+    assert easy["achievable_auc"] > 0.85 and hard["achievable_auc"] < 0.72
+    with pytest.raises(ConfigError, match="target_auc"):
+        SynthSpec(target_auc=0.99).check()
+
+
+def test_cli_synth_prints_the_achievable_auc(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["data", "synth", "--rows", "5000", "--output", str(out), "--seed", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "achievable AUC" in printed and "train 4500 rows" in printed
+    assert f"{Dataset(out).meta['achievable_auc']:.4f}" in printed
+    assert main(["data", "synth", "--rows", "5000", "--output", str(out)]) == 2  # exists
+    assert main(["data", "synth", "--rows", "10", "-o", str(tmp_path / "b"), "--base-ctr", "1.5"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "synth", "--rows", "0", "--output", str(tmp_path / "zero")])
+    assert exc.value.code == 2
+
+
+def test_achievable_auc_is_computed_like_sklearn():
+    from sklearn.metrics import roc_auc_score
+
+    from heterps_ray.data.synth import _auc
+
+    rng = np.random.default_rng(0)
+    labels = (rng.random(5000) < 0.3).astype(np.int8)
+    scores = np.round(rng.normal(labels, 1.0), 1)  # many ties
+    assert _auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
