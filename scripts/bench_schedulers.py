@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -144,8 +145,8 @@ def render(names: list[str], rows: list[dict], problems: list[dict], command: st
         SECTION,
         "",
         f"Command: `{command}`  ",
-        f"Machine: {platform.machine()}, {platform.python_version()}, shared 2-core box; seconds are wall "
-        f"time and noisy. {n} generated problems ({min(p['layers'] for p in problems)}–"
+        f"Machine: {platform.machine()}, Python {platform.python_version()}, shared 2-core box (load average "
+        f"{os.getloadavg()[1]:.0f} at the end); seconds are wall time and noisy. {n} generated problems ({min(p['layers'] for p in problems)}–"
         f"{max(p['layers'] for p in problems)} layers, {min(p['types'] for p in problems)}–"
         f"{max(p['types'] for p in problems)} resource types); {nf} have a feasible plan, {n - nf} do not.",
         "",
@@ -166,6 +167,16 @@ def render(names: list[str], rows: list[dict], problems: list[dict], command: st
             f"| {name} | {_ratio(statistics.median(ratios)) if ratios else '-'} | {_ratio(max(ratios)) if ratios else '-'} "
             f"| {ok}/{nf} | {statistics.median(secs):.2f} | {max(secs):.2f} | {evaluated:,.0f} |"
         )
+    lines += [
+        "",
+        "Plans evaluated: assignments provisioned (exact: throughput levels solved, or assignments when it "
+        "brute-forces a small problem). Per-problem rows: `benchmarks/schedulers.json`.",
+    ]
+    if "rl" not in names:
+        lines.append(
+            "`rl` is not in this run; add it with `--schedulers exact,greedy,genetic,random,single,rl "
+            "--rl-budget-s 60`."
+        )
     # heterogeneous (exact) vs the best single-type plan
     both = [p for p in problems if p["exact_feasible"] and math.isfinite(p["single_cost"])]
     only_hetero = [p for p in problems if p["exact_feasible"] and not math.isfinite(p["single_cost"])]
@@ -179,16 +190,16 @@ def render(names: list[str], rows: list[dict], problems: list[dict], command: st
         "Best heterogeneous plan (exact) against the best single-type plan (each type that can run every "
         "layer, provisioned exactly):",
         "",
-        f"- cost at the same floor: on {len(both)} problems where both meet it, the heterogeneous plan costs "
+        f"- cost at the same floor: on {len(both)} problem(s) where both meet it, the heterogeneous plan costs "
         f"{_pct(statistics.median(savings))} less (median; range {_pct(min(savings))} … {_pct(max(savings))}); "
         f"it is cheaper on {sum(s > 1e-9 for s in savings)} of them and equal (a single type is optimal) on "
-        f"{sum(abs(s) <= 1e-9 for s in savings)}. On {len(only_hetero)} more problems only a heterogeneous plan "
+        f"{sum(abs(s) <= 1e-9 for s in savings)}. On {len(only_hetero)} more problem(s) only a heterogeneous plan "
         "meets the floor."
         if both
         else "- no problem where both meet the floor",
         f"- highest reachable throughput: heterogeneous / best single type = {statistics.median(speed):.2f}× "
         f"(median; range {min(speed):.2f}× … {max(speed):.2f}×)"
-        + (f"; on {no_single} problems no single type can run every layer." if no_single else ".")
+        + (f"; on {no_single} problem(s) no single type can run every layer." if no_single else ".")
         if speed
         else "- no problem with a single-type plan",
     ]

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from heterps_ray.scheduling.generator import generate_problem
-from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, save_policy
-from heterps_ray.scheduling.rl.scheduler import RLConfig
+from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_policy, save_policy
+from heterps_ray.scheduling.rl.scheduler import RLConfig, set_weights
 
 # Pretraining defaults: bigger batches and a smaller step than per-problem training (many problems).
 PRETRAIN_CONFIG = RLConfig(
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=PRETRAINED_DIR, help="where policy.pt / policy.json go")
     parser.add_argument("--save-every", type=int, default=10, help="iterations between saves")
     parser.add_argument(
+        "--init", type=Path, default=None, help="start from this saved policy (continue training)"
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RLConfig field"
     )
     args = parser.parse_args(argv)
@@ -61,10 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"generated {len(pool)} problems in {time.perf_counter() - started:.0f} s", flush=True)
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny networks: a second thread only waits
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     algo = config.ppo_config({"problems": pool}, args.seed).build_algo()
+    if args.init is not None:
+        set_weights(algo, load_policy(args.init).state_dict())
     curve: list[dict[str, float]] = []
     metadata = {
         "hidden": config.hidden,
@@ -74,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": list(layers),
         "types": list(types),
         "command": "python scripts/train_policy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "init": None if args.init is None else str(args.init),
         "curve": curve,
     }
     deadline = started + 60.0 * args.minutes
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         save_policy(algo.get_module(), args.out, {**metadata, "iterations": iteration})
     finally:
         algo.stop()
+        torch.set_num_threads(threads)
     print(f"saved {args.out} after {iteration} iterations", flush=True)
     return 0
 

@@ -24,6 +24,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS_PER_CHUNK = 1 << 16  # heterps_ray.data.dataset reads and converts 65,536 rows at a time
+DRIVER_CHUNK = 20  # heterps_ray.runtime.driver runs DataWorkers 20 batches at a time, draining between
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ def main() -> None:
             micro_batches=case.micro_batches,
             mode=case.mode,  # type: ignore[arg-type]
             max_in_flight=case_job.runtime.max_in_flight,
+            drain_every=DRIVER_CHUNK,
             **extras,
         )
         load.append(os.getloadavg()[0])
@@ -132,7 +134,7 @@ def main() -> None:
         measured = summary.throughput
         row = {
             "case": case.name,
-            "stages": " | ".join(f"{'+'.join(s.layers)} on {s.type} x{s.replicas}" for s in plan.stages),
+            "stages": " → ".join(f"{_span(s.layers)} on {s.type} ×{s.replicas}" for s in plan.stages),
             "mode": case.mode,
             "micro_batches": case.micro_batches,
             "batches": steps,
@@ -161,6 +163,10 @@ def main() -> None:
     print()
     print(table)
     print(f"1-min load average during the runs: {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} CPUs")
+
+
+def _span(layers: tuple[str, ...]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
 
 
 def _pct(values: list[float]) -> str:

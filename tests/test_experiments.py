@@ -115,6 +115,8 @@ def test_unknown_scheduler_or_bad_floors_exit_with_code_2(tmp_path, capsys):
     assert "simulated-annealing" in capsys.readouterr().err
     assert main([*base, "--floors", "0.2,lots"]) == 2
     assert "--floors" in capsys.readouterr().err
+    assert main([*base, "--layers", "9"]) == 2
+    assert "MIN,MAX" in capsys.readouterr().err
     assert main(["tune", "genetic", "--problems", str(tmp_path / "none*.yaml"), "-o", str(tmp_path)]) == 2
 
 

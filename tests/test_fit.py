@@ -86,10 +86,13 @@ def _measurements(noise: float, seed: int = 0) -> pd.DataFrame:
                 )
         for rep in range(3):
             # 264 bytes per sample read at 0.1 Gbit/s = 12,500 bytes/ms
-            rows.append(_row(kind="input", resource=rtype, rows=16384, repeat=rep, ms=16384 * 264 / 12_500))
-    for rep in range(3):  # 8 requests of 13,312 rows in 100 ms: 1.06e6 rows/s, pull 40% of it
+            # the first read on an actor also pays its imports (500 ms), later ones 5 ms to open
+            rows.append(_row(kind="input", resource=rtype, rows=16384, repeat=rep, ms=16384 * 264 / 12_500,
+                             client_ms=500.0 if rep == 0 else 5.0))  # fmt: skip
+    for rep in range(3):  # 8 requests of 13,312 rows in 100 ms: 1.06e6 rows/s, pull 40% of it;
+        # a quarter of the push is the client's own work
         rows.append(_row(kind="ps", resource="small", rows=13312, calls=8, repeat=rep,
-                         forward_ms=40.0, backward_ms=60.0, ms=100.0))  # fmt: skip
+                         forward_ms=40.0, backward_ms=60.0, ms=100.0, client_ms=15.0))  # fmt: skip
         rows.append(_row(kind="ps_dense", resource="small", rows=100_000, calls=8, repeat=rep, ms=40.0))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
@@ -128,6 +131,8 @@ def test_fit_recovers_known_coefficients_and_writes_a_loadable_problem(tmp_path)
         assert resources[rtype]["price_per_hour"] == CLUSTER.type(rtype).price_per_hour
     assert result.problem["ps"]["rows_per_second_per_shard"] == pytest.approx(8 * 13312 / 0.1, rel=1e-6)
     assert result.runtime["ps_pull_share"] == pytest.approx(0.4)
+    assert result.runtime["ps_push_client_share"] == pytest.approx(0.25)
+    assert result.runtime["startup_ms"] == pytest.approx(500.0)
     assert result.runtime["dense_ms_per_param"] == pytest.approx(40.0 / 8 / 100_000)
     assert result.runtime["dense_params"]["fc1"] == 126976
     assert result.runtime["forward_fraction"] == pytest.approx(1 / 3, rel=0.02)
@@ -144,6 +149,8 @@ def test_fit_recovers_known_coefficients_and_writes_a_loadable_problem(tmp_path)
 
     assert set(simulator_options(read_yaml(paths["runtime"]))) == {
         "pull_share",
+        "push_client_share",
+        "startup_ms",
         "dense_ms_per_param",
         "dense_params",
         "forward_fraction",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +161,50 @@ def test_saved_policy_plans_zero_shot_and_fine_tunes_from_its_weights(trained, p
     finetune.schedule(problem)
     for name, tensor in loaded.state_dict().items():
         torch.testing.assert_close(finetune.module.state_dict()[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_train_policy_script_writes_a_policy_the_scheduler_loads(ray_local, tmp_path):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_policy.py"
+    spec = importlib.util.spec_from_file_location("train_policy", script)
+    assert spec is not None and spec.loader is not None
+    train_policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_policy)
+    small = ["--set", "train_batch_size=128", "--set", "minibatch_size=64", "--set", "num_epochs=1"]
+    assert (
+        train_policy.main(
+            ["--iterations", "1", "--pool", "4", "--layers", "3,6", "--out", str(tmp_path)] + small
+        )
+        == 0
+    )
+    meta = json.loads((tmp_path / "policy.json").read_text())
+    assert meta["iterations"] == 1 and len(meta["curve"]) == 1 and meta["config"]["train_batch_size"] == 128
+    plan = RLScheduler(policy=tmp_path).schedule(generate_problem(4, num_layers=(6, 6), num_types=(3, 3)))
+    assert plan.extra["mode"] == "zero-shot"
+
+
+def test_shipped_pretrained_policy_is_the_default_and_beats_an_untrained_one():
+    import torch
+
+    from heterps_ray.scheduling.rl.module import TypeScoringModule
+    from heterps_ray.scheduling.rl.policy import policy_metadata
+
+    assert RLScheduler().mode == "zero-shot"  # no budget: the shipped policy, no training
+    assert policy_metadata()["iterations"] > 0
+    shipped = load_policy()
+    torch.manual_seed(0)
+    observation_space, action_space = SchedulingEnv.spaces()
+    untrained = TypeScoringModule(
+        observation_space=observation_space, action_space=action_space, model_config={}
+    )
+    shipped_rewards, untrained_rewards = [], []
+    for seed in range(500, 512):  # unseen: the policy trained on problems drawn from seed 1_000_000
+        problem = generate_problem(seed, num_layers=(3, 16), num_types=(2, 5))
+        shipped_rewards.append(greedy_rollout(shipped, ProblemView(problem)).reward)
+        untrained_rewards.append(greedy_rollout(untrained, ProblemView(problem)).reward)
+    # reward = log(reference cost / cost): the shipped policy's greedy plans are far cheaper on average
+    assert np.mean(shipped_rewards) > np.mean(untrained_rewards) + 1.0
+    plan = RLScheduler().schedule(generate_problem(500, num_layers=(3, 16), num_types=(2, 5)))
+    check_plan(plan, generate_problem(500, num_layers=(3, 16), num_types=(2, 5)))
+    assert plan.extra["mode"] == "zero-shot" and plan.scheduler == "rl"

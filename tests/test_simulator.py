@@ -205,3 +205,21 @@ def test_simulate_command_prints_both_models(tmp_path, capsys):
     plan_file.write_text(json.dumps(plan))
     assert main(["simulate", "--problem", str(problem_file), "--plan", str(plan_file)]) == 2
     assert "stages.1.layers" in capsys.readouterr().err
+
+
+def test_runtime_details_startup_push_work_and_chunk_drains_cost_time():
+    problem = _problem(rows_per_second=2e6)
+    plan, _ = _plan(problem, ["a", "b", "a"], [1, 1, 1])
+    base = simulate(problem, plan, batches=40, mode="async")
+    started = simulate(problem, plan, batches=40, mode="async", startup_ms=500.0)
+    assert started.makespan_ms == pytest.approx(base.makespan_ms + 500.0, rel=1e-9)
+    # summing gradients on the DataWorker moves push time from the shards onto stage 0
+    client = simulate(problem, plan, batches=40, mode="async", push_client_share=0.5)
+    assert client.utilisation[0] * client.makespan_ms > base.utilisation[0] * base.makespan_ms
+    assert client.ps_utilisation * client.makespan_ms < base.ps_utilisation * base.makespan_ms
+    # the driver's chunks drain the pipeline (every 20 batches in the runtime): nothing stays in flight
+    drained = simulate(problem, plan, batches=40, mode="async", drain_every=5)
+    assert drained.throughput != base.throughput
+    stage0 = drained.queues[drained.queues["stage"] == 0]
+    emptied = ((stage0["in_flight"] == 0) & (stage0["in_flight"].shift(fill_value=0) > 0)).sum()
+    assert emptied >= 40 // 5

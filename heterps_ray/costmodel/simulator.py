@@ -73,11 +73,18 @@ class PSModel:
     rows: float  # sparse rows per micro-batch (before de-duplication, as the rate is measured)
     rows_per_second_per_shard: float  # of pull + push together, as the problem file gives it
     pull_share: float = 0.5  # fraction of a row's service time spent on its pull
+    push_client_share: float = 0.0  # fraction of a push done by the DataWorker itself (summing gradients)
 
     def service_ms(self, rows: float, pull: bool) -> float:
         """One shard's time for its part (1/shards) of a request of `rows` rows."""
-        share = self.pull_share if pull else 1.0 - self.pull_share
+        share = self.pull_share if pull else (1.0 - self.pull_share) * (1.0 - self.push_client_share)
         return rows / self.shards * share / self.rows_per_second_per_shard * 1000.0
+
+    def client_ms(self, rows: float) -> float:
+        """The DataWorker's own work for a push of `rows` rows (before it goes to the shards)."""
+        return (
+            rows * (1.0 - self.pull_share) * self.push_client_share / self.rows_per_second_per_shard * 1000.0
+        )
 
 
 @dataclass
@@ -124,18 +131,25 @@ def simulate(
     forward_fraction: float = 1.0 / 3.0,
     ps_limit: bool = True,
     pull_share: float = 0.5,
+    push_client_share: float = 0.0,
     dense_ms_per_param: float = 0.0,
     dense_params: Mapping[str, int] | None = None,
+    startup_ms: float = 0.0,
+    drain_every: int | None = None,
 ) -> SimResult:
     """Simulate `plan` (a Plan or its JSON mapping) on `problem` for `batches` batches.
 
-    `max_in_flight` None is unbounded; `ps_limit` False gives the PS infinite rate; async dense
-    pushes are modelled when `dense_ms_per_param` and `dense_params` (per layer name) are given.
+    `max_in_flight` None is unbounded; `ps_limit` False gives the PS infinite rate. The rest are
+    runtime details a profile measures (:func:`heterps_ray.profiling.fit.simulator_options`): the
+    pull's share of PS time, the share of a push done by the DataWorker itself, async dense pushes
+    (`dense_ms_per_param` x `dense_params` per layer name), a DataWorker's one-time start-up before
+    its first batch, and `drain_every` (the runtime's driver drains the pipeline every 20 batches).
     """
     stages, ps = pipeline_model(
         problem, plan, micro_batches, forward_fraction, dense_ms_per_param, dense_params or {}
     )
-    ps = PSModel(ps.shards, ps.rows, ps.rows_per_second_per_shard if ps_limit else math.inf, pull_share)
+    rate = ps.rows_per_second_per_shard if ps_limit else math.inf
+    ps = PSModel(ps.shards, ps.rows, rate, pull_share, push_client_share)
     return simulate_pipeline(
         stages,
         ps,
@@ -144,6 +158,8 @@ def simulate(
         micro_batches=micro_batches,
         mode=mode,
         max_in_flight=max_in_flight,
+        startup_ms=startup_ms,
+        drain_every=drain_every,
     )
 
 
@@ -213,13 +229,17 @@ def simulate_pipeline(
     micro_batches: int = 1,
     mode: Literal["sync", "async"] = "sync",
     max_in_flight: int | None = 4,
+    startup_ms: float = 0.0,
+    drain_every: int | None = None,
 ) -> SimResult:
     """Run the event simulation of `batches` batches (over all DataWorkers) through `stages`."""
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async' (got {mode!r})")
     if batches < 1 or micro_batches < 1:
         raise ValueError("batches and micro_batches must be >= 1")
-    sim = _Simulation(list(stages), ps, batch_size, micro_batches, mode, max_in_flight)
+    sim = _Simulation(
+        list(stages), ps, batch_size, micro_batches, mode, max_in_flight, startup_ms, drain_every
+    )
     sim.run(batches)
     return sim.result()
 
@@ -315,8 +335,11 @@ class _Simulation:
         micro_batches: int,
         mode: str,
         max_in_flight: int | None,
+        startup_ms: float,
+        drain_every: int | None,
     ):
         self.stages, self.ps, self.mode = stages, ps, mode
+        self.startup_ms, self.drain_every = startup_ms, drain_every
         self.sync = mode == "sync"
         self.batch_size, self.k = batch_size, micro_batches
         self.window = max_in_flight if max_in_flight is not None else 1 << 40
@@ -449,8 +472,11 @@ class _Simulation:
         lag = max(0, self.window - 1)
         counter = 0
         replicas = [st.replicas for st in self.stages[1:]]
+        yield from self._compute(0, worker, self.startup_ms, "startup", -1, -1)
         for i in range(batches):
             batch = worker + i * st0.replicas
+            if self.drain_every and i and i % self.drain_every == 0:  # the driver's chunk ends: drain
+                yield from self._drain(worker, fwd_q, bwd_q, pushes)
             yield from self._compute(0, worker, st0.input_ms * self.k, "read", batch, -1)
             if self.sync:
                 while pushes:  # the previous batch's sparse update lands before this pull
@@ -474,14 +500,25 @@ class _Simulation:
                     self._backward(worker, fwd_q.popleft(), bwd_q)
                 while bwd_q:
                     yield from self._finish(worker, bwd_q.popleft(), pushes)
-                pushes.append(self._ps(self.ps.rows * self.k, False, batch, -1))
+                yield from self._push(worker, self.ps.rows * self.k, batch, -1, pushes)
+        yield from self._drain(worker, fwd_q, bwd_q, pushes)
+        self.end_ms = max(self.end_ms, self.engine.now)
+
+    def _drain(
+        self, worker: int, fwd_q: deque[_Micro], bwd_q: deque[_Micro], pushes: deque[_Event]
+    ) -> _Process:
+        """Finish every micro-batch in flight and wait for every push (end of a DataWorker's run)."""
         while fwd_q:
             self._backward(worker, fwd_q.popleft(), bwd_q)
         while bwd_q:
             yield from self._finish(worker, bwd_q.popleft(), pushes)
         while pushes:
             yield pushes.popleft()
-        self.end_ms = max(self.end_ms, self.engine.now)
+
+    def _push(self, worker: int, rows: float, batch: int, micro: int, pushes: deque[_Event]) -> _Process:
+        """The DataWorker sums the gradients (its own work), then the shards apply them (not waited for)."""
+        yield from self._compute(0, worker, self.ps.client_ms(rows), "push", batch, micro)
+        pushes.append(self._ps(rows, False, batch, micro))
 
     def _forward(self, worker: int, item: _Micro) -> _Process:
         st0 = self.stages[0]
@@ -537,7 +574,7 @@ class _Simulation:
             ms = st0.recv_backward_ms + st0.backward_ms
             yield from self._compute(0, worker, ms, "backward", item.batch, item.micro)
         if not self.sync:
-            pushes.append(self._ps(self.ps.rows, False, item.batch, item.micro))
+            yield from self._push(worker, self.ps.rows, item.batch, item.micro, pushes)
             while len(pushes) > _SETTLE_PER_SHARD * len(self.shard_free):
                 yield pushes.popleft()
             if st0.dense_push_ms > 0:

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from heterps_ray.data.criteo import COLUMNS, NUM_DENSE, NUM_SLOTS, RAW_SCHEMA, Batch, table_to_batch
+from heterps_ray.config import DataConfig
 from heterps_ray.errors import ConfigError, DataError
 
 SPLITS = ("train", "eval")
@@ -97,6 +98,19 @@ class Dataset:
                 yield pa.Table.from_batches([record_batch])
 
 
+def prepare_dataset(data: DataConfig, seed: int = 0) -> Dataset:
+    """The job's dataset; generated first when its directory holds none and ``data.synth_rows`` is set.
+
+    The one place a job's data comes from (``heterps run``, ``train``, ``reference``, ``profile``).
+    """
+    path = Path(data.path)
+    if not (path / META_FILE).is_file() and data.synth_rows:
+        from heterps_ray.data.synth import synthesize  # synth writes through this module
+
+        synthesize(path, data.synth_rows, seed=seed)
+    return Dataset(path)
+
+
 class DatasetWriter:
     """Writes a dataset directory: rows in order, every ``eval_every``-th row to eval.
 
@@ -111,12 +125,14 @@ class DatasetWriter:
             raise ConfigError(None, "rows_per_part", "a positive integer", rows_per_part)
         self.output = Path(output)
         _check_output(self.output, overwrite)
-        self.output.parent.mkdir(parents=True, exist_ok=True)
         self.eval_every = eval_every
         self.rows_written = 0
         self._tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
         shutil.rmtree(self._tmp, ignore_errors=True)
-        self._parts = {s: _PartWriter(self._tmp / s, rows_per_part) for s in SPLITS}
+        try:
+            self._parts = {s: _PartWriter(self._tmp / s, rows_per_part) for s in SPLITS}
+        except OSError as exc:
+            raise DataError(f"{self.output}: cannot write there ({exc.strerror})") from None
 
     def write(self, table: pa.Table) -> None:
         """Append raw-form rows (:data:`~heterps_ray.data.criteo.RAW_SCHEMA`)."""

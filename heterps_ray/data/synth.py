@@ -7,8 +7,10 @@ The hidden model (all of it drawn from ``seed``):
   is drawn with probability proportional to ``(r + 1) ** -a_s`` (Zipf, ``a_s`` in
   [zipf_min, zipf_max]); a few slots are missing in 20-45% of rows, as in Criteo. Values are
   written as distinct 8-hex strings, so the same hashing path serves real and synthetic data.
-* every value (and a slot's missing value) has a logit effect ``~ N(0, sigma_s^2)``; a third of
-  the slots carry no signal (``sigma_s = 0``).
+* every value (and a slot's missing value) has a logit effect ``~ N(0, sigma_s^2)``, shrunk by
+  ``1/sqrt(1 + r/tail_rank)`` for the value of rank ``r`` (rare values matter less, as in real
+  logs, so one epoch over 1M rows can learn what matters); a third of the slots carry no
+  signal (``sigma_s = 0``).
 * dense features are integer counts ``floor(exp(N(mu_j, s_j)))``, some missing; with
   ``z = log1p(x)`` (missing -> 0, the transform the models see) four of them add
   ``w_j * tanh(z_j - c_j)``.
@@ -55,6 +57,8 @@ class SynthSpec:
     """expected AUC of the true probabilities"""
     base_ctr: float = 0.25
     """mean click probability"""
+    tail_rank: float = 100.0
+    """value effects shrink as 1/sqrt(1 + rank/tail_rank): rare values matter less (0: no shrink)"""
 
     def check(self) -> None:
         if not 2 <= self.vocab_min <= self.vocab_max:
@@ -63,6 +67,8 @@ class SynthSpec:
             raise ConfigError(None, "zipf_min/zipf_max", "0 < zipf_min <= zipf_max", self)
         if not 0.55 <= self.target_auc <= 0.95:
             raise ConfigError(None, "target_auc", "a number in [0.55, 0.95]", self.target_auc)
+        if self.tail_rank < 0:
+            raise ConfigError(None, "tail_rank", "a number >= 0", self.tail_rank)
         if not 0.01 <= self.base_ctr <= 0.99:
             raise ConfigError(None, "base_ctr", "a number in [0.01, 0.99]", self.base_ctr)
 
@@ -88,7 +94,10 @@ class HiddenModel:
         for s in range(NUM_SLOTS):
             weights = (np.arange(self.vocab_sizes[s]) + 1.0) ** -self.zipf[s]
             self._cdf.append(np.cumsum(weights) / weights.sum())
-            self._effects.append(rng.normal(0.0, self.slot_sigma[s], self.vocab_sizes[s] + 1))
+            effects = rng.normal(0.0, self.slot_sigma[s], self.vocab_sizes[s] + 1)
+            if spec.tail_rank > 0:
+                effects[:-1] /= np.sqrt(1.0 + np.arange(self.vocab_sizes[s]) / spec.tail_rank)
+            self._effects.append(effects)
             self._values.append(pa.array(_distinct_hex(rng, int(self.vocab_sizes[s]))))
         self.dense_mu = rng.uniform(0.0, 4.0, NUM_DENSE)
         self.dense_sd = rng.uniform(0.5, 1.5, NUM_DENSE)

@@ -94,6 +94,12 @@ def _suite_arguments(p: argparse.ArgumentParser, floors: str) -> None:
     )
     source.add_argument("--generate", type=int, metavar="N", help="N random problems instead")
     p.add_argument("--seed", type=int, default=0, help="seed of generated problems, schedulers and sampling")
+    p.add_argument(
+        "--layers", default="3,6", metavar="MIN,MAX", help="layers of generated problems (default 3,6)"
+    )
+    p.add_argument(
+        "--types", default="2,3", metavar="MIN,MAX", help="resource types of generated problems (default 2,3)"
+    )
     p.add_argument("--floors", default=floors, help=f"comma-separated floor fractions (default {floors})")
     p.add_argument(
         "--output", "-o", required=True, type=Path, metavar="DIR", help="where results and plots go"
@@ -197,8 +203,21 @@ def _suite(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
     if args.generate is not None:
         if args.generate < 1:
             raise ConfigError(None, "--generate", "a positive number of problems", args.generate)
-        return generate_problems(args.generate, seed=args.seed), floors
+        layers, types = _range(args.layers, "--layers", 1, 30), _range(args.types, "--types", 2, 5)
+        return generate_problems(args.generate, seed=args.seed, num_layers=layers, num_types=types), floors
     return load_problems(args.problems), floors
+
+
+def _range(text: str, option: str, low: int, high: int) -> tuple[int, int]:
+    from heterps_ray.errors import ConfigError
+
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(None, option, "MIN,MAX (two integers)", text) from None
+    if not low <= a <= b <= high:
+        raise ConfigError(None, option, f"{low} <= MIN <= MAX <= {high}", text)
+    return a, b
 
 
 def _summary(table: Any) -> str:

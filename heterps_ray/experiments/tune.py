@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from heterps_ray.costmodel import Problem, load_problem
-from heterps_ray.errors import ConfigError
+from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.experiments.frontier import with_floor
 from heterps_ray.scheduling import Plan, Scheduler, available_schedulers, get_scheduler
 from heterps_ray.scheduling.exact import max_reachable_throughput
@@ -59,6 +59,7 @@ COMPARISON_COLUMNS = (
     "assignment",
     "replicas",
     "ps_shards",
+    "error",
 )
 
 
@@ -97,7 +98,10 @@ def load_problems(spec: str | Path) -> list[Problem]:
     """Problems from a file, a directory (its *.yaml, *.yml and *.json) or a glob pattern."""
     path = Path(spec)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
+        # problem files, not the profiler's <problem>.runtime.yaml beside them
+        files = sorted(
+            p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json") and ".runtime." not in p.name
+        )
     elif path.is_file():
         files = [path]
     else:
@@ -235,6 +239,7 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
         "assignment": " ".join(plan.assignment),
         "replicas": " ".join(str(k) for k in plan.replicas),
         "ps_shards": int(plan.ps_shards),
+        "error": "",
     }
 
 
@@ -265,10 +270,30 @@ def _schedule_trial(
     from ray import tune
 
     name = config["scheduler"]
-    plan = make_scheduler(name, seed=seed, budget_s=budget_s, **options.get(name, {})).schedule(
-        cases[config["case"]].problem
-    )
+    try:
+        plan = make_scheduler(name, seed=seed, budget_s=budget_s, **options.get(name, {})).schedule(
+            cases[config["case"]].problem
+        )
+    except HeterPSError as exc:  # e.g. "single" where no type runs every layer: a result, not a crash
+        tune.report(_no_plan(str(exc)))
+        return
     tune.report(plan_metrics(plan))
+
+
+def _no_plan(error: str) -> dict[str, Any]:
+    """The metrics of a scheduler that cannot plan a case at all."""
+    return {
+        "cost": math.inf,
+        "throughput": 0.0,
+        "cost_rate": math.nan,
+        "feasible": False,
+        "seconds": 0.0,
+        "plans_evaluated": 0,
+        "assignment": "",
+        "replicas": "",
+        "ps_shards": 0,
+        "error": error,
+    }
 
 
 def _ratios(table: pd.DataFrame) -> pd.Series:

@@ -1,5 +1,9 @@
 """Least-squares fits from raw profile measurements to the DESIGN.md §3 coefficients.
 
+Repeats are averaged (means, not medians): a pipeline's throughput is work over total time, so the
+mean time is what predicts it, and on a shared machine the slow tail (preemption) is real work the
+runtime pays too.
+
 The profiler (or anything else) hands in a long-format measurement table (:data:`COLUMNS`); this
 module fits, per (layer, type), ``ms = fixed + per_sample · B``; per type, ``ms = latency +
 bytes / bandwidth``; the PS service rate; and the parallel fraction from 1- vs 2-replica runs.
@@ -30,7 +34,11 @@ from heterps_ray.errors import DataError
 # Long-format measurement table: one row per timed repeat.
 #   kind      "layer" (one layer fwd+bwd on one actor), "layer_pair" (`calls` calls in `ms` on one of
 #             `replicas` actors running the layer at once), "transfer" (one actor-to-actor message),
-#             "ps" (`calls` pull+push requests of `rows` rows each, in `ms`)
+#             "ps" (`calls` pull+push requests of `rows` rows each, in `ms`), "ps_dense" (`calls` dense
+#             pushes of `rows` parameters), "input" (reading `rows` rows of data, in `ms`)
+#   forward_ms / backward_ms   layer: forward / backward + optimizer step; ps: pull / push
+#   client_ms  ps: the push's work in the client (de-duplicating keys, summing gradients);
+#              input: opening the dataset on a worker (imports on its first call: a one-time cost)
 #   resource  the resource type measured (the sender, for transfers); peer: the receiver type
 COLUMNS = (
     "kind",
@@ -46,6 +54,7 @@ COLUMNS = (
     "forward_ms",
     "backward_ms",
     "ms",
+    "client_ms",
 )
 
 R2_POOR = 0.9  # below this a fit is flagged as poor (issue 5)
@@ -174,8 +183,8 @@ def fit_problem(
             ]
             if sel.empty:
                 continue
-            medians = sel.groupby("batch_size")["ms"].median()
-            fit = fit_line(medians.index.to_numpy(dtype=float), medians.to_numpy())
+            means = sel.groupby("batch_size")["ms"].mean()
+            fit = fit_line(means.index.to_numpy(dtype=float), means.to_numpy())
             fixed, per_sample = clamp_non_negative(fit)
             time_ms[rtype.name] = {"fixed": _round(fixed), "per_sample": _round(per_sample)}
             alpha, speedup = _alpha(measurements, layer.name, rtype.name)
@@ -209,8 +218,8 @@ def fit_problem(
         bandwidth, latency = rtype.bandwidth_gbps, rtype.latency_ms
         sel = measurements[(measurements["kind"] == "transfer") & (measurements["resource"] == rtype.name)]
         if not sel.empty:
-            medians = sel.groupby("nbytes")["ms"].median()
-            fit = fit_line(medians.index.to_numpy(dtype=float), medians.to_numpy())
+            means = sel.groupby("nbytes")["ms"].mean()
+            fit = fit_line(means.index.to_numpy(dtype=float), means.to_numpy())
             lat, ms_per_byte = clamp_non_negative(fit)
             # The intercept is a whole message (both ends); DESIGN.md §3 charges latency on each side.
             latency = lat / 2.0
@@ -221,11 +230,15 @@ def fit_problem(
             rows.append(row)
         io = float(rtype.io_bandwidth_gbps or rtype.bandwidth_gbps)
         sel = measurements[(measurements["kind"] == "input") & (measurements["resource"] == rtype.name)]
+        if len(sel) > 1:
+            sel = sel[sel["repeat"] > sel["repeat"].min()]  # the first, cold read is start-up (below)
         if not sel.empty and input_bytes_per_sample > 0:
             # Reading includes parsing and hashing: the rate at which batches come out, in Gbit/s.
             bytes_per_ms = sel["rows"] * input_bytes_per_sample / sel["ms"]
-            io = float(bytes_per_ms.median()) / _BYTES_PER_MS_PER_GBPS
-            spread = float(bytes_per_ms.std() / bytes_per_ms.median()) if len(sel) > 1 else 0.0
+            io = (
+                float((sel["rows"] * input_bytes_per_sample).sum() / sel["ms"].sum()) / _BYTES_PER_MS_PER_GBPS
+            )
+            spread = float(bytes_per_ms.std() / bytes_per_ms.mean()) if len(sel) > 1 else 0.0
             rows.append(
                 {
                     "what": "input",
@@ -256,8 +269,10 @@ def fit_problem(
     sel = measurements[measurements["kind"] == "ps"]
     if not sel.empty:
         runtime["ps_pull_share"] = _round(float((sel["forward_ms"] / sel["ms"]).median()))
+        if sel["client_ms"].notna().all():
+            runtime["ps_push_client_share"] = _round(float((sel["client_ms"] / sel["backward_ms"]).median()))
         rates = sel["rows"] * sel["calls"] / (sel["ms"] / 1000.0)
-        rate = float(rates.median())
+        rate = float((sel["rows"] * sel["calls"]).sum() / (sel["ms"].sum() / 1000.0))
         ps["rows_per_second_per_shard"] = _round(rate)
         spread = float(rates.std() / rate) if len(rates) > 1 else 0.0
         rows.append(
@@ -274,9 +289,17 @@ def fit_problem(
             }
         )
 
+    sel = measurements[(measurements["kind"] == "input") & measurements["client_ms"].notna()]
+    if sel["repeat"].nunique() > 1:
+        # A worker's first read pays imports and a cold first chunk; the runtime's DataWorkers pay
+        # that once each too: the extra time of the first read over a warm one.
+        first = sel[sel["repeat"] == sel["repeat"].min()].set_index("resource")
+        warm = sel[sel["repeat"] > sel["repeat"].min()].groupby("resource")["ms"].mean()
+        extra = first["client_ms"] + (first["ms"] - warm).clip(lower=0.0)
+        runtime["startup_ms"] = _round(float(extra.median()))
     sel = measurements[measurements["kind"] == "ps_dense"]
     if not sel.empty:
-        runtime["dense_ms_per_param"] = _round(float((sel["ms"] / sel["calls"] / sel["rows"]).median()))
+        runtime["dense_ms_per_param"] = _round(float(sel["ms"].sum() / (sel["calls"] * sel["rows"]).sum()))
     sel = measurements[
         (measurements["kind"] == "layer") & (measurements["batch_size"] == _nearest(measurements, batch_size))
     ]
@@ -308,6 +331,8 @@ def simulator_options(runtime: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for :func:`heterps_ray.costmodel.simulator.simulate` from a fit's `runtime`."""
     names = {
         "ps_pull_share": "pull_share",
+        "ps_push_client_share": "push_client_share",
+        "startup_ms": "startup_ms",
         "dense_ms_per_param": "dense_ms_per_param",
         "dense_params": "dense_params",
         "forward_fraction": "forward_fraction",
@@ -362,9 +387,9 @@ def _alpha(measurements: pd.DataFrame, layer: str, resource: str) -> tuple[float
     ]
     if sel.empty or not {1, 2} <= set(sel["replicas"]):
         return None, None
-    # Calls per ms of all actors of one run together, median over repeats.
+    # Calls per ms of all actors of one run together, averaged over repeats.
     rates = (sel["calls"] / sel["ms"]).groupby([sel["replicas"], sel["repeat"]]).sum()
-    speedup = float(rates.loc[2].median() / rates.loc[1].median())
+    speedup = float(rates.loc[2].mean() / rates.loc[1].mean())
     return parallel_fraction(speedup), speedup
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,14 @@ _BYTES_PER_MB = 1 << 20
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """How much to measure; the defaults profile ctr_dnn on the local cluster in well under a minute."""
+    """How much to measure. For ctr_dnn on the local cluster of a busy 2-core machine the defaults
+    measured for 35-75 s (plus up to a minute starting the actors); `quick` measures for seconds."""
 
     batch_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
     warmup: int = 2
     """untimed calls before each timed series"""
     repeats: int = 5
-    """timed calls per (layer, type, batch size); the fit uses their median"""
+    """timed calls per (layer, type, batch size); the fit uses their mean"""
     pair_repeats: int = 3
     """1- vs 2-replica wall-time runs per (layer, type)"""
     pair_ms: float = 60.0
@@ -76,18 +77,11 @@ class ProfileSettings:
 
     def scaled(self, factor: int) -> ProfileSettings:
         """More repeats everywhere (``heterps profile --repeat-factor``)."""
-        return ProfileSettings(
-            batch_sizes=self.batch_sizes,
-            warmup=self.warmup,
+        return replace(
+            self,
             repeats=self.repeats * factor,
             pair_repeats=self.pair_repeats * factor,
-            pair_ms=self.pair_ms,
-            transfer_bytes=self.transfer_bytes,
-            ps_calls=self.ps_calls,
             ps_repeats=self.ps_repeats * factor,
-            input_rows=self.input_rows,
-            seed=self.seed,
-            progress=self.progress,
         )
 
 
@@ -106,6 +100,7 @@ class _Row:
     forward_ms: float = math.nan
     backward_ms: float = math.nan
     ms: float = math.nan
+    client_ms: float = math.nan
 
 
 @dataclass
@@ -186,26 +181,28 @@ class LayerProfiler:
         return int(payload[-1] > 0) + int(payload.nbytes)
 
     def ps_round_trips(
-        self, shards: list[Any], keys: np.ndarray, dim: int, calls: int
-    ) -> tuple[float, float]:
-        """(pull ms, push ms) summed over `calls` requests of `keys` through a PSClient, as a
-        DataWorker makes them (each waited for)."""
+        self, shards: list[Any], batches: list[np.ndarray], dim: int
+    ) -> tuple[float, float, float]:
+        """(pull ms, push ms, push ms spent here) summed over one pull+push of each key batch through
+        a PSClient, as a DataWorker makes them (each waited for; unseen keys create rows, as in
+        training). The third part is the client's own work (de-duplicating and summing gradients)."""
         from heterps_ray.ps.shard import PSClient
 
         client = PSClient(shards)
-        grads = np.full((*keys.shape, dim), 1e-3, dtype=np.float32)
-        client.pull("embedding", keys)  # warm-up: creates the rows
-        ray.get(client.push("embedding", keys, grads))
-        pull_ms = push_ms = 0.0
-        for _ in range(calls):
+        pull_ms = push_ms = client_ms = 0.0
+        for keys in batches:
+            grads = np.full((*keys.shape, dim), 1e-3, dtype=np.float32)
             t0 = time.perf_counter()
             client.pull("embedding", keys)
             t1 = time.perf_counter()
-            ray.get(client.push("embedding", keys, grads))
+            refs = client.push("embedding", keys, grads)
             t2 = time.perf_counter()
+            ray.get(refs)
+            t3 = time.perf_counter()
             pull_ms += (t1 - t0) * 1000.0
-            push_ms += (t2 - t1) * 1000.0
-        return pull_ms, push_ms
+            push_ms += (t3 - t1) * 1000.0
+            client_ms += (t2 - t1) * 1000.0
+        return pull_ms, push_ms, client_ms
 
     def dense_pushes(self, shard: Any, params: int, calls: int) -> float:
         """ms for `calls` async-mode dense pushes (Adam on the PS) of a table of `params` floats."""
@@ -219,20 +216,23 @@ class LayerProfiler:
             ray.get(shard.push_dense.remote("profile", grads))
         return (time.perf_counter() - start) * 1000.0
 
-    def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float]:
-        """(rows, ms) to read and convert `rows` rows of a dataset into batches, as a DataWorker does
-        (the dataset converts whole chunks, so `rows` should be a chunk or the whole split)."""
+    def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float, float]:
+        """(rows, ms, setup ms) to read and convert `rows` rows of a dataset into batches, as a
+        DataWorker does (the dataset converts whole chunks, so `rows` should be a chunk or the whole
+        split). Setup is opening the dataset: imports on a worker's first call, a one-time cost."""
+        start = time.perf_counter()
         from heterps_ray.data.dataset import Dataset
 
         dataset = Dataset(path)
-        dataset.num_rows("train")  # imports and file metadata are a one-time cost, not per row
+        dataset.num_rows("train")
+        setup_ms = (time.perf_counter() - start) * 1000.0
         done = 0
         start = time.perf_counter()
         for batch in dataset.iter_batches("train", batch_size, drop_last=False):
             done += len(batch["label"])
             if done >= rows:
                 break
-        return done, (time.perf_counter() - start) * 1000.0
+        return done, (time.perf_counter() - start) * 1000.0, setup_ms
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResul
     devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in run.actors})
     notes = [
         f"measured {stamp} by `heterps profile` ({job.name}): batch sizes {list(settings.batch_sizes)}, "
-        f"{settings.warmup} warm-up + {settings.repeats} repeats (median); actors {'; '.join(devices)}",
+        f"{settings.warmup} warm-up + {settings.repeats} repeats (mean); actors {'; '.join(devices)}",
         *run.notes,
     ]
     if result.flags:
@@ -351,51 +351,20 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     notes: list[str] = []
     load_before = os.getloadavg()[0]
     pair_batch = min(job.batch_size, max(settings.batch_sizes))
-    num_layers = spec.num_layers
     total = (
-        len(present) * (settings.repeats + num_layers)
+        len(present) * (settings.repeats + spec.num_layers)
         + len(present) * len(present) * len(settings.transfer_bytes)
         + 2
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
     try:
-        items = [(i, b) for i in range(num_layers) for b in settings.batch_sizes]
         for rtype in present:
-            first = actors[rtype.name][0]
-            for rep in range(settings.repeats):
-                bar.set_postfix_str(f"{rtype.name} layers, round {rep + 1}/{settings.repeats}")
-                warmup = settings.warmup if rep == 0 else 0
-                timed = ray.get(first.time_layers.remote(items, warmup, settings.seed + rep))
-                for (index, batch_size), (fwd, bwd) in zip(items, timed, strict=True):
-                    rows.append(
-                        _Row("layer", rtype.name, layer=spec.layers[index].name, batch_size=batch_size,
-                             repeat=rep, forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
-                    )  # fmt: skip
-                bar.update()
+            rows += _layer_rounds(actors[rtype.name], rtype, spec, settings, bar)
             for index, layer in enumerate(spec.layers):
                 bar.set_postfix_str(f"{rtype.name} {layer.name} 1 vs 2 replicas")
                 rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings)
                 bar.update()
-        for sender in present:
-            for receiver in present:
-                src = actors[sender.name][0]
-                peers = actors[receiver.name]
-                dst = peers[-1] if receiver.name == sender.name else peers[0]
-                if dst is src:
-                    notes.append(
-                        f"no second {sender.name} actor: {sender.name}->{sender.name} transfers not measured"
-                    )
-                    bar.update(len(settings.transfer_bytes))
-                    continue
-                for nbytes in settings.transfer_bytes:
-                    bar.set_postfix_str(f"{sender.name}->{receiver.name} {nbytes / _BYTES_PER_MB:.2f} MB")
-                    for rep, ms in enumerate(ray.get(src.send.remote(dst, nbytes, settings.repeats))):
-                        rows.append(
-                            _Row(
-                                "transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms
-                            )
-                        )
-                    bar.update()
+        rows += _transfer_runs(present, actors, settings, bar, notes)
         bar.set_postfix_str("PS shard")
         rows += _ps_runs(job, spec, present, actors, settings)
         bar.update()
@@ -415,6 +384,56 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     )
     frame = pd.DataFrame([r.__dict__ for r in rows], columns=list(COLUMNS))
     return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes)
+
+
+def _layer_rounds(
+    group: list[Any], rtype: ResourceType, spec: ModelSpec, settings: ProfileSettings, bar: Any
+) -> list[_Row]:
+    """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor."""
+    items = [(i, b) for i in range(spec.num_layers) for b in settings.batch_sizes]
+    rows = []
+    for rep in range(settings.repeats):
+        bar.set_postfix_str(f"{rtype.name} layers, round {rep + 1}/{settings.repeats}")
+        warmup = settings.warmup if rep == 0 else 0
+        timed = ray.get(group[0].time_layers.remote(items, warmup, settings.seed + rep))
+        for (index, batch_size), (fwd, bwd) in zip(items, timed, strict=True):
+            rows.append(
+                _Row("layer", rtype.name, layer=spec.layers[index].name, batch_size=batch_size, repeat=rep,
+                     forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
+            )  # fmt: skip
+        bar.update()
+    return rows
+
+
+def _transfer_runs(
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+    bar: Any,
+    notes: list[str],
+) -> list[_Row]:
+    """Messages of each size from the first actor of every type to an actor of every type (its
+    second actor for the same type); a message is timed by its sender until the receiver has it."""
+    rows = []
+    for sender in present:
+        for receiver in present:
+            src = actors[sender.name][0]
+            peers = actors[receiver.name]
+            dst = peers[-1] if receiver.name == sender.name else peers[0]
+            if dst is src:
+                notes.append(
+                    f"no second {sender.name} actor: {sender.name}->{sender.name} transfers not measured"
+                )
+                bar.update(len(settings.transfer_bytes))
+                continue
+            for nbytes in settings.transfer_bytes:
+                bar.set_postfix_str(f"{sender.name}->{receiver.name} {nbytes / _BYTES_PER_MB:.2f} MB")
+                for rep, ms in enumerate(ray.get(src.send.remote(dst, nbytes, settings.repeats))):
+                    rows.append(
+                        _Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
+                    )
+                bar.update()
+    return rows
 
 
 def _pair_runs(
@@ -454,18 +473,22 @@ def _ps_runs(
     ps_type = job.cluster.type(ps_name)
     shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, ps_type.actor_options())
     micro_batch = job.batch_size // job.runtime.micro_batches
-    keys = _synthetic_keys(micro_batch, spec.num_slots, settings.seed)
-    rows_per_call = int(keys.size)
+    batches = _key_batches(
+        job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
+    )
     client = actors[ps_name][0]
     out = []
     dense_params = max(spec.dense_params, 1)
     try:
+        ray.get(
+            client.ps_round_trips.remote(shards, batches[: settings.ps_calls], spec.embedding_dim)
+        )  # warm-up
         for rep in range(settings.ps_repeats):
-            pull, push = ray.get(
-                client.ps_round_trips.remote(shards, keys, spec.embedding_dim, settings.ps_calls)
-            )
-            out.append(_Row("ps", ps_name, rows=rows_per_call, calls=settings.ps_calls, repeat=rep,
-                            forward_ms=pull, backward_ms=push, ms=pull + push, batch_size=micro_batch))  # fmt: skip
+            calls = batches[(rep + 1) * settings.ps_calls : (rep + 2) * settings.ps_calls]
+            pull, push, own = ray.get(client.ps_round_trips.remote(shards, calls, spec.embedding_dim))
+            out.append(_Row("ps", ps_name, rows=micro_batch * spec.num_slots, calls=len(calls), repeat=rep,
+                            forward_ms=pull, backward_ms=push, ms=pull + push, client_ms=own,
+                            batch_size=micro_batch))  # fmt: skip
             ms = ray.get(client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls))
             out.append(
                 _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
@@ -497,17 +520,37 @@ def _input_runs(
         out = []
         for rtype in present:
             for rep in range(settings.ps_repeats):
-                done, ms = ray.get(actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows))
-                out.append(_Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms))
+                done, ms, setup = ray.get(
+                    actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows)
+                )
+                out.append(_Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms,
+                                client_ms=setup))  # fmt: skip
         return out
     finally:
         if scratch is not None:
             scratch.cleanup()
 
 
-def _synthetic_keys(batch_size: int, num_slots: int, seed: int) -> np.ndarray:
-    """Criteo-like keys: per slot a Zipf-distributed id (a few hot values, a long tail), slot mixed in."""
+def _key_batches(job: JobConfig, batch_size: int, num_slots: int, count: int, seed: int) -> list[np.ndarray]:
+    """`count` consecutive key batches of the job's training data (its real key reuse and row
+    creation), or Criteo-like synthetic keys when the job has no dataset yet."""
+    path = Path(job.data.path)
+    out: list[np.ndarray] = []
+    if (path / "meta.json").exists():
+        from heterps_ray.data.dataset import Dataset
+
+        for batch in Dataset(path).iter_batches("train", batch_size):
+            out.append(np.ascontiguousarray(batch["keys"]))
+            if len(out) == count:
+                return out
     rng = np.random.default_rng(seed)
+    while len(out) < count:
+        out.append(_synthetic_keys(batch_size, num_slots, rng))
+    return out
+
+
+def _synthetic_keys(batch_size: int, num_slots: int, rng: np.random.Generator) -> np.ndarray:
+    """Criteo-like keys: per slot a Zipf-distributed id (a few hot values, a long tail), slot mixed in."""
     ids = rng.zipf(1.2, size=(batch_size, num_slots)) % 1_000_003
     slots = np.arange(num_slots, dtype=np.int64)[None, :]
     return (ids.astype(np.int64) * 1_000_003 + slots * 7_919) ^ np.int64(0x2545F4914F6CDD1D)

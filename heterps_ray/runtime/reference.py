@@ -36,6 +36,8 @@ _EVAL_CHUNK = 8192  # rows per forward pass when evaluating
 
 
 class _BatchSource(Protocol):
+    def num_rows(self, split: str) -> int: ...
+
     def iter_batches(self, split: str, batch_size: int, files: Any = None, drop_last: bool = True) -> Any: ...
 
 
@@ -122,7 +124,9 @@ class ReferenceTrainer:
 
         losses: list[float] = []
         start = time.perf_counter()
-        bar = tqdm(total=steps, disable=not progress, unit="batch", desc=f"reference {self.model.name}")
+        total = epochs * (dataset.num_rows("train") // batch_size)
+        total = total if steps is None else min(steps, total)
+        bar = tqdm(total=total, disable=not progress, unit="batch", desc=f"reference {self.model.name}")
         try:
             for _ in range(epochs):
                 for batch in dataset.iter_batches("train", batch_size, drop_last=True):
@@ -156,7 +160,7 @@ def run_reference(job: JobConfig, steps: int | None = None, progress: bool = Tru
     from heterps_ray.data.dataset import META_FILE, Dataset
     from heterps_ray.models import build_model
 
-    model = build_model(job.model, file="model")
+    model = build_model(job.model)
     if not (job.data.path / META_FILE).is_file() and job.data.synth_rows:
         from heterps_ray.data.synth import synthesize
 

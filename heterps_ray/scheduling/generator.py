@@ -106,7 +106,7 @@ def generate_problem(
     }
     from heterps_ray.scheduling.exact import throughput_bounds
 
-    lower, upper = throughput_bounds(problem_from_dict(data))  # fast bounds; the exact needs ILPs
+    lower, upper = throughput_bounds(problem_from_dict(data))  # fast bounds, no exact search
     if rng.random() < infeasible_share:
         floor = upper * rng.uniform(1.02, 1.3)  # above the upper bound: surely infeasible
     else:

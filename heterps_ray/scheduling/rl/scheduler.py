@@ -226,7 +226,7 @@ class RLScheduler(Scheduler):
         algo = self.config.ppo_config({"problems": [problem]}, self.seed).build_algo()
         try:
             if initial is not None:
-                _set_weights(algo, initial.state_dict())
+                set_weights(algo, initial.state_dict())
             # The envs RLlib built play every episode; their views have seen all of them as candidates.
             envs = _local_envs(algo)
             views = [env.problem_view(0) for env in envs]
@@ -236,8 +236,8 @@ class RLScheduler(Scheduler):
                 if self.iterations is not None:
                     if iteration >= self.iterations:
                         break
-                elif time.perf_counter() - started + last > training_s:
-                    break
+                elif iteration > 0 and time.perf_counter() - started + last > training_s:
+                    break  # (at least one iteration, even when building the algorithm used the budget)
                 t0 = time.perf_counter()
                 result = algo.train()
                 last = time.perf_counter() - t0
@@ -388,7 +388,7 @@ def problem_fingerprint(problem: Problem) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _set_weights(algo: Any, state: dict[str, Any]) -> None:
+def set_weights(algo: Any, state: dict[str, Any]) -> None:
     """Start training from saved weights: the learner's module and the env runner's copy."""
     algo.learner_group.set_weights({"default_policy": {k: v.numpy() for k, v in state.items()}})
     algo.get_module().load_state_dict(state)
