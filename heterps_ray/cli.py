@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
     )
+    if not args.verbose:
+        # Quiet by default: RLlib and Tune log deprecation notes and set-up chatter at WARNING.
+        for name in ("ray.rllib", "ray.tune", "ray.train", "ray._common.deprecation"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -221,9 +221,12 @@ def _ddp_loop(config: dict[str, Any]) -> None:
     for _ in range(config["steps"]):
         step()
     seconds = time.perf_counter() - t0
-    ray.train.report(
-        {"seconds": seconds, "samples": config["steps"] * (config["batch_size"] // world) * world}
+    samples = config["steps"] * (config["batch_size"] // world)
+    # one file per worker (same machine), so the driver sees every worker's time, not only rank 0's
+    Path(config["out"], f"ddp_rank{rank}.json").write_text(
+        json.dumps({"seconds": seconds, "samples": samples})
     )
+    ray.train.report({"seconds": seconds, "samples": samples})
 
 
 def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
@@ -243,7 +246,9 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "out": str(out),
         },
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(
+            num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}, trainer_resources={"CPU": 0}
+        ),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=str(args.output.parent / "ray_train"), name="ddp"),
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from heterps_ray.scheduling.generator import generate_problem
+from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_policy, save_policy
 from heterps_ray.scheduling.rl.scheduler import RLConfig, set_weights
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     curve: list[dict[str, float]] = []
     metadata = {
         "hidden": config.hidden,
+        "type_features": list(TYPE_FEATURES),
+        "context_features": list(CONTEXT_FEATURES),
         "config": dataclasses.asdict(config),
         "seed": args.seed,
         "pool": args.pool,

@@ -2,8 +2,9 @@
 for several plans compare the throughput predicted by the analytic model (DESIGN.md §3) and by the
 pipeline simulator with the throughput the runtime measures (heterps_ray.runtime.driver.train).
 
-    .venv/bin/python scripts/validate_costmodel.py                 # profile + 4 plans, ~5-10 min here
+    .venv/bin/python scripts/validate_costmodel.py                 # profile + 5 plans, ~8 min here
     .venv/bin/python scripts/validate_costmodel.py --problem runs/validate_costmodel/problem.yaml
+    .venv/bin/python scripts/validate_costmodel.py --profile-each   # re-profile before each plan, ~12 min
 
 Writes the problem file (+ raw measurements), results.json and table.md under --output-dir and
 prints the table (the "## Cost model validation" section of BENCHMARKS.md comes from it).
@@ -59,6 +60,11 @@ def main() -> None:
     parser.add_argument("--batches-per-worker", type=int, default=ROWS_PER_CHUNK // 512)
     parser.add_argument("--repeat-factor", type=int, default=1, help="profile repeats multiplier")
     parser.add_argument("--cases", nargs="*", type=int, default=None, help="indices of CASES to run")
+    parser.add_argument(
+        "--profile-each",
+        action="store_true",
+        help="profile again right before each plan (a shared machine's load drifts between profile and run)",
+    )
     args = parser.parse_args()
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -93,27 +99,33 @@ def main() -> None:
         configure_logging=False,
     )
     load = [os.getloadavg()[0]]
-    problem_file = args.problem
-    if problem_file is None:
+
+    def profiled(tag: str) -> Path:
         t0 = time.perf_counter()
         result = profile(job, ProfileSettings().scaled(args.repeat_factor))
-        problem_file = write_problem(
-            result, args.output_dir / "problem.yaml", header=result.problem["notes"]
-        )["problem"]
+        path = write_problem(result, args.output_dir / f"problem{tag}.yaml", header=result.problem["notes"])[
+            "problem"
+        ]
         print(
-            f"profiled in {time.perf_counter() - t0:.0f} s -> {problem_file} ({len(result.flags)} poor fits)"
+            f"profiled in {time.perf_counter() - t0:.0f} s -> {path} ({len(result.flags)} poor fits)",
+            flush=True,
         )
-    problem = load_problem(problem_file)
-    extras = (
-        simulator_options(read_yaml(runtime_path(problem_file)))
-        if runtime_path(problem_file).exists()
-        else {}
-    )
-    model = CostModel(problem)
+        return path
+
+    problem_file = args.problem or (None if args.profile_each else profiled(""))
 
     rows: list[dict[str, Any]] = []
     cases = [CASES[i] for i in args.cases] if args.cases is not None else list(CASES)
-    for case in cases:
+    for index, case in enumerate(cases):
+        if problem_file is None or (args.profile_each and index > 0):
+            problem_file = profiled(f"_{index}")
+        problem = load_problem(problem_file)
+        extras = (
+            simulator_options(read_yaml(runtime_path(problem_file)))
+            if runtime_path(problem_file).exists()
+            else {}
+        )
+        model = CostModel(problem)
         evaluation = model.evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
         plan = Plan.from_evaluation(problem, evaluation, "validation")
         workers = case.replicas[0]
@@ -146,6 +158,7 @@ def main() -> None:
             "measured_busy": [s["busy"] for s in summary.stages],
             "simulated_busy": sim.utilisation,
             "load_average": os.getloadavg()[0],
+            "problem": str(problem_file),
         }
         rows.append(row)
         print(

@@ -74,6 +74,16 @@ def test_keys_mix_in_the_slot_and_are_pinned():
     assert int(same_value[0]) == _PINNED_KEY_C1_05db9164
 
 
+def test_dictionary_and_chunked_values_hash_like_plain_strings():
+    plain = pa.array(["a1", None, "b2", "a1", ""], pa.string())
+    expected = hash_slot(plain, 7)
+    assert expected[1] == expected[4] and expected[0] == expected[3] != expected[2]
+    np.testing.assert_array_equal(hash_slot(plain.dictionary_encode(), 7), expected)
+    chunked = pa.chunked_array([plain.slice(0, 2).dictionary_encode(), plain.slice(2).dictionary_encode()])
+    np.testing.assert_array_equal(hash_slot(chunked, 7), expected)
+    assert hash_slot(pa.array([None, None], pa.string()), 7).tolist() == [expected[1]] * 2
+
+
 def test_keys_identical_across_processes(criteo_sample, tmp_path):
     out = tmp_path / "keys.npy"
     code = (

@@ -27,6 +27,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--max-in-flight", type=int, default=4, help="in-flight micro-batches per DataWorker (default 4)"
     )
+    p.add_argument(
+        "--drain-every",
+        type=int,
+        default=20,
+        help="batches per DataWorker between pipeline drains (the runtime's driver: 20; 0: never)",
+    )
     p.add_argument("--timeline", type=Path, default=None, help="write the per-call timeline (CSV)")
     p.add_argument("--queues", type=Path, default=None, help="write queue depths over time (CSV)")
     p.add_argument("--no-extras", action="store_true", help="ignore <problem>.runtime.yaml")
@@ -38,6 +44,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from heterps_ray.costmodel.simulator import simulate
     from heterps_ray.errors import ConfigError
 
+    if args.drain_every < 0:
+        raise ConfigError(None, "--drain-every", "a non-negative integer", args.drain_every)
     for name in ("batches", "micro_batches", "max_in_flight"):
         if getattr(args, name) < 1:
             raise ConfigError(None, f"--{name.replace('_', '-')}", "a positive integer", getattr(args, name))
@@ -55,6 +63,7 @@ def _simulate(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         mode=args.mode,
         max_in_flight=args.max_in_flight,
+        drain_every=args.drain_every or None,
         **options,
     )
     assignment = [stage["type"] for stage in plan["stages"] for _ in stage["layers"]]

@@ -368,19 +368,36 @@ def table_to_batch(table: pa.Table | pa.RecordBatch) -> Batch:
 
 
 def hash_slot(values: pa.Array | pa.ChunkedArray, slot: int) -> np.ndarray:
-    """Stable int64 keys of one slot's categorical values (see the module docstring)."""
+    """Stable int64 keys of one slot's categorical values (see the module docstring).
+
+    Strings or dictionary-encoded strings (as Parquet can hand them over, unique values only).
+    """
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    keys = [_hash_chunk(chunk, slot) for chunk in chunks]
+    return keys[0] if len(keys) == 1 else np.concatenate(keys) if keys else np.zeros(0, np.int64)
+
+
+def _hash_chunk(values: pa.Array, slot: int) -> np.ndarray:
+    if not pa.types.is_dictionary(values.type):
+        if not pa.types.is_string(values.type):
+            values = pc.cast(values, pa.string())
+        values = values.dictionary_encode()  # hash each distinct value once
+    dictionary = values.dictionary
+    if not pa.types.is_string(dictionary.type):
+        dictionary = pc.cast(dictionary, pa.string())
+    # A missing value is the empty string: its key is appended as the last entry.
+    uniques = np.append(dictionary.to_numpy(zero_copy_only=False), "").astype(object)
+    keys = _keys_of(uniques, slot)
+    indices = pc.fill_null(values.indices, len(uniques) - 1)
+    return keys[indices.to_numpy(zero_copy_only=False)]
+
+
+def _keys_of(values: np.ndarray, slot: int) -> np.ndarray:
     from pandas.util import hash_array
 
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if not pa.types.is_string(values.type):
-        values = pc.cast(values, pa.string())
-    encoded = pc.fill_null(values, "").dictionary_encode()
-    uniques = encoded.dictionary.to_numpy(zero_copy_only=False)
-    hashed = hash_array(uniques, encoding="utf8", hash_key=_HASH_KEY, categorize=False)
+    hashed = hash_array(values, encoding="utf8", hash_key=_HASH_KEY, categorize=False)
     salt = splitmix64(np.array([slot], dtype=np.uint64))
-    keys = splitmix64(hashed.astype(np.uint64) ^ salt).view(np.int64)
-    return keys[encoded.indices.to_numpy(zero_copy_only=False)]
+    return splitmix64(hashed.astype(np.uint64) ^ salt).view(np.int64)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

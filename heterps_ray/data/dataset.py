@@ -22,8 +22,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from heterps_ray.data.criteo import COLUMNS, NUM_DENSE, NUM_SLOTS, RAW_SCHEMA, Batch, table_to_batch
 from heterps_ray.config import DataConfig
+from heterps_ray.data.criteo import (
+    COLUMNS,
+    NUM_DENSE,
+    NUM_SLOTS,
+    RAW_SCHEMA,
+    SPARSE_COLUMNS,
+    Batch,
+    table_to_batch,
+)
 from heterps_ray.errors import ConfigError, DataError
 
 SPLITS = ("train", "eval")
@@ -90,7 +98,7 @@ class Dataset:
 
     def _tables(self, split: str, files: list[Path] | None) -> Iterator[pa.Table]:
         for f in self.files(split) if files is None else [Path(f) for f in files]:
-            parquet = _parquet_file(f)
+            parquet = _parquet_file(f, read_dictionary=SPARSE_COLUMNS)
             missing = [c for c in COLUMNS if c not in parquet.schema_arrow.names]
             if missing:
                 raise DataError(f"{f}: missing columns {missing} (expected label, I1..I13, C1..C26)")
@@ -237,9 +245,10 @@ def partition_files(files: list[Path], n: int, i: int) -> list[Path]:
     return sorted(files, key=lambda p: Path(p).name)[i::n]
 
 
-def _parquet_file(path: Path) -> pq.ParquetFile:
+def _parquet_file(path: Path, read_dictionary: list[str] | None = None) -> pq.ParquetFile:
+    # Categorical columns read as dictionaries: hashing then touches each distinct value once.
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, read_dictionary=read_dictionary)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
 

@@ -4,29 +4,42 @@ table = compare_schedulers(generate_problems(4), floors=(0.2, 0.6), storage_path
 plot_cost_vs_floor(table, "runs/cost_vs_floor.png")
 """
 
-from heterps_ray.experiments.frontier import frontier, with_floor
-from heterps_ray.experiments.plots import (
-    plot_cost_vs_floor,
-    plot_frontier,
-    plot_pipeline,
-    plot_ratio_to_exact,
-)
-from heterps_ray.experiments.tune import (
-    DEFAULT_FLOORS,
-    Case,
-    SweepResult,
-    check_schedulers,
-    compare_schedulers,
-    default_schedulers,
-    generate_problems,
-    genetic_search_space,
-    load_problems,
-    make_cases,
-    make_scheduler,
-    plan_metrics,
-    rl_search_space,
-    sweep_scheduler,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Names import their module on first use, so `heterps --help` does not load pandas and matplotlib.
+_LAZY = {
+    **dict.fromkeys(("frontier", "with_floor"), "cost_frontier"),
+    **dict.fromkeys(("plot_cost_vs_floor", "plot_frontier", "plot_pipeline", "plot_ratio_to_exact"), "plots"),
+    **dict.fromkeys(
+        (
+            "DEFAULT_FLOORS",
+            "Case",
+            "SweepResult",
+            "check_schedulers",
+            "compare_schedulers",
+            "default_schedulers",
+            "generate_problems",
+            "genetic_search_space",
+            "load_problems",
+            "make_cases",
+            "make_scheduler",
+            "plan_metrics",
+            "rl_search_space",
+            "sweep_scheduler",
+        ),
+        "tune",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"heterps_ray.experiments.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'heterps_ray.experiments' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_FLOORS",

@@ -308,7 +308,7 @@ def _register_plot(subparsers: Any) -> None:
 
 def _plot_frontier(args: argparse.Namespace) -> int:
     from heterps_ray.costmodel import load_problem
-    from heterps_ray.experiments.frontier import frontier
+    from heterps_ray.experiments.cost_frontier import frontier
     from heterps_ray.experiments.plots import plot_frontier
 
     problem = load_problem(args.problem)

@@ -33,7 +33,7 @@ import pandas as pd
 
 from heterps_ray.costmodel import Problem, load_problem
 from heterps_ray.errors import ConfigError, HeterPSError
-from heterps_ray.experiments.frontier import with_floor
+from heterps_ray.experiments.cost_frontier import with_floor
 from heterps_ray.scheduling import Plan, Scheduler, available_schedulers, get_scheduler
 from heterps_ray.scheduling.exact import max_reachable_throughput
 

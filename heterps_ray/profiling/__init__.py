@@ -1,1 +1,7 @@
-"""heterps_ray.profiling"""
+"""heterps_ray.profiling — live per-layer profiling on each resource type, and the fits to a problem file.
+
+    from heterps_ray.profiling.profiler import ProfileSettings, profile   # needs a running Ray
+    from heterps_ray.profiling.fit import fit_problem, write_problem       # plain numpy / pandas
+
+`heterps profile JOB.yaml --output problem.yaml` does both (heterps_ray.profiling.commands).
+"""

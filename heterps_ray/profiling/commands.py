@@ -33,6 +33,9 @@ def register(subparsers: Any) -> None:
         help="comma-separated batch sizes to time (default 64,128,256,512,1024)",
     )
     p.add_argument(
+        "--quick", action="store_true", help="a fast, rough profile for smoke tests (not for planning)"
+    )
+    p.add_argument(
         "--address", default=None, help="Ray cluster address (default: start an embedded local Ray)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

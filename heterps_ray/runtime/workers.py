@@ -369,6 +369,9 @@ class DataWorker:
         self._lag = max(0, data.max_in_flight - 1)
         self._fwd_q: deque[_MicroBatch] = deque()
         self._bwd_q: deque[_MicroBatch] = deque()
+        self._batch_rows = np.zeros(
+            (0, model.num_slots, model.embedding_dim), dtype=np.float32
+        )  # sync: this batch's rows
         self._batch_emb_grad: np.ndarray | None = None
         self._push_refs: list[Any] = []
         self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches

@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-DEFAULT_SCHEDULER = "exact"
+DEFAULT_SCHEDULER = "rl"  # the shipped pretrained policy, zero-shot (issue 8)
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +26,18 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
     plan.add_argument(
-        "--budget-s", type=float, default=None, metavar="N", help="time budget for search/training"
+        "--budget-s",
+        type=float,
+        default=None,
+        metavar="N",
+        help="time budget for search/training (rl: train a fresh policy on this problem for N s)",
+    )
+    plan.add_argument(
+        "--finetune-s",
+        type=float,
+        default=None,
+        metavar="N",
+        help="rl only: fine-tune the shipped pretrained policy on this problem for N s first",
     )
     plan.add_argument("--seed", type=int, default=0, metavar="S")
     plan.set_defaults(func=_plan)
@@ -53,10 +64,18 @@ def register(subparsers: Any) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from heterps_ray.costmodel import load_problem
+    from heterps_ray.errors import ConfigError
     from heterps_ray.scheduling import get_scheduler
 
     problem = load_problem(args.problem)
-    scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s)
+    options = {}
+    if args.finetune_s is not None:
+        if args.scheduler != "rl":
+            raise ConfigError(
+                None, "--finetune-s", "--scheduler rl (only the RL policy fine-tunes)", args.scheduler
+            )
+        options["finetune_s"] = args.finetune_s
+    scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s, **options)
     plan = scheduler.schedule(problem)
     print(plan.table())
     if args.output:

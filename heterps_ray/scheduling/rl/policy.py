@@ -40,11 +40,17 @@ def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
     """A TypeScoringModule with the saved weights, built for the env's spaces (no Ray needed)."""
     import torch
 
-    from heterps_ray.scheduling.rl.env import SchedulingEnv
+    from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES, SchedulingEnv
     from heterps_ray.scheduling.rl.module import TypeScoringModule
 
     directory = Path(directory)
     meta = policy_metadata(directory)
+    # a policy reads the observation by position: it is only valid for the features it was trained on
+    for key, names in (("type_features", TYPE_FEATURES), ("context_features", CONTEXT_FEATURES)):
+        if key in meta and list(meta[key]) != list(names):
+            raise ValueError(
+                f"{directory}: the policy was trained on other {key}; retrain it (scripts/train_policy.py)"
+            )
     spaces = SchedulingEnv.spaces()
     module = TypeScoringModule(
         observation_space=spaces[0], action_space=spaces[1], model_config={"hidden": int(meta["hidden"])}

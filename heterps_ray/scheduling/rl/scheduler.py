@@ -312,6 +312,7 @@ class RLScheduler(Scheduler):
         assert best is not None
         extra = dict(info)
         extra.update(
+            counts="exact provisioning of the policy's assignment",  # replicas and PS shards never come from the policy
             source=source,
             seed=self.seed,
             greedy_cost=_json_cost(candidates["greedy"]),

@@ -1,0 +1,149 @@
+"""What a user does with Ray Jobs: start a real `ray start` cluster with scripts/ray_cluster.sh, submit
+`heterps run` on a tiny job, read its status and logs, collect its outputs, stop the cluster.
+
+The cluster is isolated from any other Ray on this machine (the test session's, other users'): its
+own temp dir and free ports, and `ray_cluster.sh stop` ends only its processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "ray_cluster.sh"
+JOB_NAME = "ray-jobs-smoke"
+SUBMIT_TRIES = 4  # the job API can answer before the dashboard agent that runs jobs is up
+AGENT_NOT_READY = ("No available agent", "agent is not available", "Failed to connect")
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _cluster_sh(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _processes_of(ray_tmp: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(ray_tmp in arg for arg in p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _write_job(folder: Path) -> Path:
+    """A tiny quickstart-like job: ctr_dnn on 20k synthetic rows, the local two-CPU-type cluster."""
+    job = {
+        "name": JOB_NAME,
+        "model": str(REPO / "configs" / "models" / "ctr_dnn.yaml"),
+        "cluster": str(REPO / "configs" / "clusters" / "local.yaml"),
+        "data": {"path": str(folder / "data"), "synth_rows": 20_000},
+        "batch_size": 512,
+        "samples": 100_000_000,
+        "throughput_min": 500,  # sync mode: one replica per stage must reach it on a busy machine
+        "mode": "sync",
+        "scheduler": "exact",
+        "output_dir": str(folder / "job_output_dir_unused"),
+        "seed": 0,
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
+    # Short temp dir: Ray's socket paths live under it and must stay under ~107 characters.
+    ray_tmp = tempfile.mkdtemp(prefix="hps_", dir="/tmp")
+    work = Path(tempfile.mkdtemp(prefix="hps_jobs_"))
+    head_port, dashboard_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMP=ray_tmp, HEAD_PORT=str(head_port), DASHBOARD_PORT=str(dashboard_port), NUM_CPUS="2")
+    output_dir = work / "out"
+    job_file = _write_job(work)
+    try:
+        started = _cluster_sh(env, "start", "configs/clusters/local.yaml", timeout=180)
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "cpu_small" in started.stdout and "cpu_big" in started.stdout
+
+        submit_args = (
+            "submit",
+            str(job_file),
+            "--steps",
+            "20",
+            "--quick-profile",
+            "--no-progress",
+            "--output-dir",
+            str(output_dir),
+        )
+        for attempt in range(SUBMIT_TRIES):
+            submitted = _cluster_sh(env, *submit_args, timeout=600)
+            text = submitted.stdout + submitted.stderr
+            if submitted.returncode == 0 or not any(m in text for m in AGENT_NOT_READY):
+                break
+            time.sleep(3.0 * (attempt + 1))
+        assert submitted.returncode == 0, text
+        # `submit` streams the job's logs: the plan and the report are in them.
+        assert "plan by exact" in text and f"run '{JOB_NAME}'" in text, text
+
+        status = _cluster_sh(env, "status", timeout=120)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "succeeded" in (status.stdout + status.stderr).lower(), status.stdout + status.stderr
+
+        logs = _cluster_sh(env, "logs", timeout=120)
+        log_text = logs.stdout + logs.stderr
+        assert logs.returncode == 0, log_text
+        for line in (
+            f"run '{JOB_NAME}': scheduler exact",
+            "achieved",
+            "AUC",
+            f"wrote {output_dir}/run_report.json",
+        ):
+            assert line in log_text, f"{line!r} not in the job's logs:\n{log_text}"
+
+        # Outputs are written on the head node, this machine: collect them from output_dir.
+        report = json.loads((output_dir / "run_report.json").read_text())
+        assert report["job"] == JOB_NAME and report["scheduler"] == "exact"
+        assert report["achieved_throughput"] > 0
+        assert report["predicted_throughput"] > 0
+        assert report["auc"] is not None and 0.0 < report["auc"] < 1.0
+        assert report["logloss"] is not None and report["logloss"] > 0
+        for name in ("problem.yaml", "plan.json", "run_summary.json"):
+            assert (output_dir / name).is_file(), name
+    finally:
+        stopped = _cluster_sh(env, "stop", timeout=120)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    left = _processes_of(ray_tmp)
+    assert not left, f"processes of the cluster still running after stop: {[p.pid for p in left]}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
