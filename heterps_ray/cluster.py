@@ -11,29 +11,50 @@ One rule for every command (profile, train, run, plan with rl):
 
 from __future__ import annotations
 
+import json
 import os
 
 from heterps_ray.config import ClusterConfig
+from heterps_ray.errors import ConfigError
 
 OBJECT_STORE_BYTES = 1 << 30  # embedded Ray: 1 GiB object store
 
 
 def connect(cluster: ClusterConfig | None, address: str | None = None) -> bool:
-    """Make sure Ray is initialised; returns True when this call started it (the caller shuts it down)."""
+    """Make sure Ray is initialised and declares every resource type of `cluster` (ConfigError if
+    not); returns True when this call started Ray (then the caller shuts it down)."""
     import ray
 
-    if ray.is_initialized():
-        return False
+    started = not ray.is_initialized()
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if started and address:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
-        return True
-    ray.init(
-        address="local",
-        resources=cluster.local_resources() if cluster else None,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    return True
+    elif started:
+        ray.init(
+            address="local",
+            resources=cluster.local_resources() if cluster else None,
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    if cluster is not None:
+        _check_resource_types(cluster, started)
+    return started
+
+
+def _check_resource_types(cluster: ClusterConfig, started: bool) -> None:
+    import ray
+
+    have = ray.cluster_resources()
+    missing = [t.name for t in cluster.resource_types if have.get(t.name, 0) < 1]
+    if missing:
+        if started:
+            ray.shutdown()
+        raise ConfigError(
+            None,
+            "cluster.resource_types",
+            f"types the Ray cluster declares as custom resources (it lacks {missing}; "
+            f"start it with --resources='{json.dumps(cluster.local_resources())}')",
+            sorted(k for k in have if k not in ("CPU", "GPU", "memory", "object_store_memory")),
+        )

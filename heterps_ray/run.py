@@ -45,7 +45,11 @@ class RunReport:
     output_dir: str
 
     def table(self) -> str:
-        err = self.achieved_throughput / self.predicted_throughput - 1 if self.predicted_throughput else float("nan")
+        err = (
+            self.achieved_throughput / self.predicted_throughput - 1
+            if self.predicted_throughput
+            else float("nan")
+        )
         lines = [
             f"run {self.job!r}: scheduler {self.scheduler}, plan {self.plan}",
             f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s",
@@ -86,7 +90,10 @@ def run_job(
     out = Path(job.output_dir)
     if (out / REPORT_FILE).exists() and not overwrite:
         raise ConfigError(
-            None, "output_dir", f"a directory without a previous run (found {REPORT_FILE}); pass --overwrite", str(out)
+            None,
+            "output_dir",
+            f"a directory without a previous run (found {REPORT_FILE}); pass --overwrite",
+            str(out),
         )
     out.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
@@ -97,10 +104,14 @@ def run_job(
         seconds["data"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        settings = ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)
+        settings = (
+            ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)
+        )
         fit = profile(job, settings)
         problem_path = write_problem(fit, out / "problem.yaml")["problem"]
         problem = load_problem(problem_path)
+        if job.mode == "sync":
+            problem = _one_replica_per_stage(problem)
         seconds["profile"] = time.perf_counter() - t0
         if fit.flags:
             print(f"profile: {len(fit.flags)} poor fits (see {problem_path.with_suffix('.fit.csv').name})")
@@ -122,7 +133,9 @@ def run_job(
         print(plan.table())
 
         t0 = time.perf_counter()
-        summary = train(job, plan, steps=steps, progress=progress, overwrite=overwrite, plan_file=str(out / "plan.json"))
+        summary = train(
+            job, plan, steps=steps, progress=progress, overwrite=overwrite, plan_file=str(out / "plan.json")
+        )
         seconds["train"] = time.perf_counter() - t0
     finally:
         if owns_ray:
@@ -149,6 +162,17 @@ def run_job(
     return report
 
 
+def _one_replica_per_stage(problem: Any) -> Any:
+    """Sync mode runs one replica per stage (DESIGN.md §1): tell the scheduler that extra replicas of a
+    stage add no throughput (parallel fraction 0), so the cheapest plan never asks for them."""
+    from heterps_ray.costmodel import problem_from_dict
+
+    data = problem.to_dict()
+    for layer in data["layers"]:
+        layer["parallel_fraction"] = 0.0
+    return problem_from_dict(data)
+
+
 # -- heterps run --------------------------------------------------------------------------------
 
 
@@ -168,7 +192,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("job", metavar="JOB.yaml", help="job config")
     p.add_argument("--address", default=None, help="Ray cluster address (default: an embedded local Ray)")
     p.add_argument("--steps", type=int, default=None, help="batches to train (default: the job's)")
-    p.add_argument("--budget-s", type=float, default=None, help="scheduler time budget (rl: train per problem)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="scheduler time budget (rl: train per problem)"
+    )
     p.add_argument("--output-dir", default=None, help="override the job's output_dir")
     p.add_argument("--quick-profile", action="store_true", help="a fast, rough profile (smoke runs)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")

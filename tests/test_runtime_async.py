@@ -18,11 +18,11 @@ PLANS = REPO / "configs" / "plans"
 CLUSTER = REPO / "configs" / "clusters" / "local.yaml"
 MODEL = {"name": "ctr_dnn", "embedding_dim": 8, "hidden": [64, 32]}  # layers: embedding, fc1, fc2, logit
 
-# The AUC comparison trains one whole epoch of 1M rows (900k train) in both modes: ~8 minutes here
-# (measured: sync AUC 0.7632 at 4,115 samples/s in 219 s, async AUC 0.7566 at 5,877 samples/s in
-# 153 s, plus start-up, data and evaluation). Smaller sizes were tried and are not enough: on 300k
-# rows async trails sync by 0.014 AUC (0.7493 vs 0.7634 with max_staleness 0 and 2 in flight;
-# 0.7382 vs 0.7524 with staleness 2 and 4 in flight): staleness costs more when there are fewer steps.
+# The AUC comparison trains one whole epoch of 1M rows (900k train) in both modes: 5-8 minutes here
+# (last run: 309 s in all; sync AUC 0.7707 at 5,915 samples/s, async AUC 0.7660 at 7,615 samples/s).
+# Smaller sizes were tried and are not enough: on 300k rows async trails sync by 0.014 AUC
+# (0.7493 vs 0.7634 with max_staleness 0 and 2 in flight; 0.7382 vs 0.7524 with staleness 2 and
+# 4 in flight): staleness costs more when there are fewer steps.
 AUC_ROWS = 1_000_000
 
 

@@ -47,6 +47,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     import ray
 
+    from heterps_ray.cluster import connect
     from heterps_ray.config import load_job
     from heterps_ray.errors import ConfigError
     from heterps_ray.profiling.fit import write_problem
@@ -71,7 +72,7 @@ def _profile(args: argparse.Namespace) -> int:
                 args.batch_sizes,
             )
         settings = dataclasses.replace(settings, batch_sizes=sizes)
-    owns_ray = _connect(job.cluster.local_resources(), args.address)
+    owns_ray = connect(job.cluster, args.address)
     try:
         result = profile(job, settings)
     finally:
@@ -91,22 +92,3 @@ def _profile(args: argparse.Namespace) -> int:
     else:
         print("every fit has R² >= 0.9 and non-negative coefficients")
     return 0
-
-
-def _connect(resources: dict[str, float], address: str | None) -> bool:
-    """Use the running Ray, or connect to `address`, or start an embedded one; True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-    else:
-        ray.init(
-            resources=resources,
-            object_store_memory=1 << 30,  # not 30% of RAM
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    return True

@@ -10,7 +10,7 @@ a problem file.
 
 Example::
 
-    ray.init(resources=job.cluster.local_resources())
+    connect(job.cluster)  # heterps_ray.cluster: embedded local Ray with the types declared
     result = profile(job, ProfileSettings(repeats=5))
     write_problem(result, "problem.yaml")
 """

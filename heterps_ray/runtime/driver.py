@@ -21,7 +21,8 @@ import numpy as np
 import ray
 
 from heterps_ray.cluster import connect
-from heterps_ray.config import ClusterConfig, JobConfig
+from heterps_ray.config import JobConfig
+from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.ps.shard import PSShard, TableSpec
@@ -101,7 +102,7 @@ def train(
     if save:
         _claim_output_dir(output_dir, overwrite)
     train_files, eval_files = _dataset_files(job)
-    owns_ray = _connect(job.cluster, address)
+    owns_ray = connect(job.cluster, address)
     run = _Run(job, model, stages, num_shards, train_files)
     try:
         placement = run.start()
@@ -434,37 +435,11 @@ def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
 
 def _dataset_files(job: JobConfig) -> tuple[list[Path], list[Path]]:
     """Train and eval Parquet partitions of the job's dataset (made first if synth_rows says so)."""
-    from heterps_ray.data.dataset import Dataset
-
-    path = Path(job.data.path)
-    if not (path / "meta.json").exists() and job.data.synth_rows:
-        from heterps_ray.data.synth import synthesize
-
-        synthesize(path, job.data.synth_rows, seed=job.seed)
-    dataset = Dataset(path)
+    dataset = prepare_dataset(job.data, seed=job.seed)
     train_files = list(dataset.files("train"))
     if not train_files:
-        raise DataError(f"{path}: no train partitions (train/part-*.parquet)")
+        raise DataError(f"{dataset.path}: no train partitions (train/part-*.parquet)")
     return train_files, list(dataset.files("eval"))
-
-
-def _connect(cluster: ClusterConfig, address: str | None) -> bool:
-    """Ray as every command gets it (heterps_ray.cluster.connect), checked to declare every resource
-    type of the job's cluster; True if this call started it."""
-    started = connect(cluster, address)
-    have = ray.cluster_resources()
-    missing = [t.name for t in cluster.resource_types if have.get(t.name, 0) < 1]
-    if missing:
-        if started:
-            ray.shutdown()
-        raise ConfigError(
-            None,
-            "cluster.resource_types",
-            f"types the Ray cluster declares as custom resources (it lacks {missing}; "
-            f"start it with --resources='{json.dumps(cluster.local_resources())}')",
-            sorted(k for k in have if k not in ("CPU", "GPU", "memory", "object_store_memory")),
-        )
-    return started
 
 
 def _jsonable(value: Any) -> Any:

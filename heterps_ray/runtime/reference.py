@@ -157,15 +157,11 @@ def run_reference(job: JobConfig, steps: int | None = None, progress: bool = Tru
     """Train a job's model with the reference trainer on its data (synthesised first when the data
     directory is empty and `data.synth_rows` is set), evaluate on the eval split, and write
     `output_dir/reference_summary.json`. Returns the summary."""
-    from heterps_ray.data.dataset import META_FILE, Dataset
+    from heterps_ray.data.dataset import prepare_dataset
     from heterps_ray.models import build_model
 
     model = build_model(job.model)
-    if not (job.data.path / META_FILE).is_file() and job.data.synth_rows:
-        from heterps_ray.data.synth import synthesize
-
-        synthesize(job.data.path, job.data.synth_rows, seed=job.seed)
-    dataset = Dataset(job.data.path)
+    dataset = prepare_dataset(job.data, seed=job.seed)
     trainer = ReferenceTrainer(model, job.optimizer, seed=job.seed)
     history = trainer.fit(
         dataset,

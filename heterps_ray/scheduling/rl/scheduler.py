@@ -412,7 +412,6 @@ def _json_cost(result: EpisodeResult | None) -> float | None:
 
 def _ensure_ray() -> None:
     """RLlib runs inside the caller's Ray; start a small local one when there is none (the CLI)."""
-    import ray
+    from heterps_ray.cluster import connect
 
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    connect(None)
