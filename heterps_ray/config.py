@@ -131,7 +131,6 @@ class DataConfig(BaseModel):
     synth_rows: int | None = Field(
         None, ge=1, description="if set and `path` holds no dataset, `heterps run` generates one"
     )
-    shuffle: bool = False
 
 
 class OptimizerConfig(BaseModel):
@@ -153,7 +152,6 @@ class RuntimeConfig(BaseModel):
     ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
     train_steps: int | None = Field(None, ge=1, description="stop after this many batches")
     epochs: int = Field(1, ge=1)
-    snapshot_every: int = Field(0, ge=0, description="PS snapshot every N batches (0: off)")
 
 
 class JobConfig(BaseModel):
