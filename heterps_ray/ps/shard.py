@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from heterps_ray.ps.atomic import read_npz, write_npz_atomic
 from heterps_ray.ps.table import SparseTable, splitmix64
 
 _SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
@@ -206,18 +207,12 @@ class PSShard:
             dense.load_state(f"dense/{name}", state)
 
     def snapshot(self, path: str) -> str:
-        """Write :meth:`state` to `path` as an .npz (np.savez; read back with allow_pickle=False)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        arrays: dict[str, Any] = self.state()
-        with open(target, "wb") as f:
-            np.savez(f, **arrays)
-        return str(target)
+        """Write :meth:`state` to `path` as an .npz, atomically (temporary file, fsync, rename)."""
+        return str(write_npz_atomic(path, self.state()))
 
     def restore(self, path: str) -> None:
-        """Load a :meth:`snapshot` file."""
-        with np.load(path, allow_pickle=False) as data:
-            self.load_state({k: data[k] for k in data.files})
+        """Load a :meth:`snapshot` file (a DataError naming it if it is truncated or corrupted)."""
+        self.load_state(read_npz(path))
 
 
 def _placement(**fields: Any) -> dict[str, Any]:
