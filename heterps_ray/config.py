@@ -152,6 +152,9 @@ class RuntimeConfig(BaseModel):
     ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
     train_steps: int | None = Field(None, ge=1, description="stop after this many batches")
     epochs: int = Field(1, ge=1)
+    checkpoint_every: int = Field(
+        0, ge=0, description="sync mode: write a resumable checkpoint every N batches (0 = off)"
+    )
 
 
 class JobConfig(BaseModel):

@@ -43,7 +43,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
 def write_npz_atomic(path: str | Path, arrays: dict[str, Any]) -> Path:
     """np.savez of plain numeric arrays, written atomically (object arrays are refused: no pickle)."""
     buffer = io.BytesIO()
-    plain = {k: np.asarray(v) for k, v in arrays.items()}
+    plain: dict[str, Any] = {k: np.asarray(v) for k, v in arrays.items()}
     for name, value in plain.items():
         if value.dtype.hasobject:
             raise ValueError(f"{path}: array {name!r} holds Python objects; only numeric arrays are saved")

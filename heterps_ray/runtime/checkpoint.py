@@ -3,10 +3,12 @@
 Layout of ``<output_dir>/model/``::
 
     model.json                                   model config, layer names, table settings, shards
+    manifest.json                                SHA-256 of every file (verified on load)
     dense.npz                                    dense weights, named "<layer>.<param>" (whole-model names)
     sparse/embedding-shard-00000-of-00002.npz    keys int64[n], weights float32[n, dim], accumulators
 
-Every .npz is written with ``np.savez`` of plain arrays and read with ``allow_pickle=False``.
+Every .npz is written with ``np.savez`` of plain arrays and read with ``allow_pickle=False``; every
+file goes through a temporary file and a rename, and the directory is built aside and swapped in.
 
 Example::
 
@@ -17,7 +19,9 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +32,11 @@ import torch
 from heterps_ray.config import ModelConfig
 from heterps_ray.errors import DataError
 from heterps_ray.models import LayerChain, ModelSpec, build_model
+from heterps_ray.ps.atomic import fsync_dir, read_npz, sha256_of, write_bytes_atomic, write_npz_atomic
 from heterps_ray.ps.table import SparseTable
 
 MODEL_DIR = "model"
+MANIFEST = "manifest.json"
 
 
 def save_checkpoint(
@@ -42,12 +48,11 @@ def save_checkpoint(
     sparse_shards: dict[str, list[dict[str, np.ndarray]]],
     table_settings: dict[str, Any],
 ) -> Path:
-    """Write the model to `directory` (replacing it): dense weights and each table's shard states."""
+    """Write the model to `directory`: built in a temporary directory, then swapped in by rename."""
     directory = Path(directory)
-    if directory.exists():
-        shutil.rmtree(directory)
-    (directory / "sparse").mkdir(parents=True)
-    _write_npz(directory / "dense.npz", dense)
+    tmp = _fresh_tmp_dir(directory)
+    (tmp / "sparse").mkdir()
+    write_npz_atomic(tmp / "dense.npz", dense)
     files: dict[str, list[str]] = {}
     rows: dict[str, int] = {}
     for table, shards in sparse_shards.items():
@@ -55,7 +60,7 @@ def save_checkpoint(
         rows[table] = 0
         for i, state in enumerate(shards):
             name = f"{table}-shard-{i:05d}-of-{len(shards):05d}.npz"
-            _write_npz(directory / "sparse" / name, state)
+            write_npz_atomic(tmp / "sparse" / name, state)
             files[table].append(f"sparse/{name}")
             rows[table] += len(state["keys"])
     meta = {
@@ -65,13 +70,59 @@ def save_checkpoint(
         "tables": {t: {**table_settings, "files": files[t], "rows": rows[t]} for t in files},
         "dense_params": int(sum(v.size for v in dense.values())),
     }
-    (directory / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_bytes_atomic(tmp / "model.json", (json.dumps(meta, indent=2) + "\n").encode())
+    write_manifest(tmp, {})
+    _swap_in(tmp, directory)
     return directory
 
 
-def _write_npz(path: Path, arrays: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+def write_manifest(directory: Path, info: dict[str, Any]) -> Path:
+    """manifest.json of `directory`: `info` plus the SHA-256 of every file under it."""
+    files = {
+        p.relative_to(directory).as_posix(): sha256_of(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    text = json.dumps({**info, "files": files}, indent=2) + "\n"
+    return write_bytes_atomic(directory / MANIFEST, text.encode())
+
+
+def verify_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of `directory` once every file it lists is present with its SHA-256; else DataError."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        listed = dict(manifest["files"])
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the checkpoint manifest ({exc.strerror})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: not a checkpoint manifest (JSON with 'files'): {exc}") from None
+    for name, digest in listed.items():
+        file = directory / name
+        if not file.is_file():
+            raise DataError(f"{file}: listed in {path} but missing")
+        if sha256_of(file) != digest:
+            raise DataError(f"{file}: SHA-256 differs from {path} (the file is truncated or corrupted)")
+    return manifest
+
+
+def _fresh_tmp_dir(directory: Path) -> Path:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+
+
+def _swap_in(tmp: Path, directory: Path) -> None:
+    """Rename `tmp` to `directory`; an old `directory` is moved aside first and removed only after."""
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    fsync_dir(directory.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 @dataclass
@@ -94,8 +145,10 @@ class Checkpoint:
 
 
 def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoint:
-    """Read a model written by :func:`save_checkpoint`."""
+    """Read a model written by :func:`save_checkpoint`, verifying its manifest first."""
     directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        verify_manifest(directory)
     try:
         meta = json.loads((directory / "model.json").read_text())
     except OSError as exc:
@@ -104,8 +157,7 @@ def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoi
         ) from None
     spec = build_model(ModelConfig(**meta["model"]))
     net = spec.build(0, spec.num_layers, meta["seed"])
-    with np.load(directory / "dense.npz", allow_pickle=False) as data:
-        dense = {k: data[k] for k in data.files}
+    dense = read_npz(directory / "dense.npz")
     state = net.state_dict()
     names = {f"{spec.layers[int(k.split('.')[1])].name}.{k.split('.', 2)[2]}": k for k in state}
     missing = sorted(set(names) - set(dense))
@@ -122,8 +174,48 @@ def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoi
     )
     parts: dict[str, list[np.ndarray]] = {"keys": [], "weights": [], "accumulators": []}
     for name in settings["files"]:
-        with np.load(directory / name, allow_pickle=False) as data:
-            for k in parts:
-                parts[k].append(data[k])
+        data = read_npz(directory / name)
+        for k in parts:
+            parts[k].append(data[k])
     sparse.load_state({k: np.concatenate(v) for k, v in parts.items()})
     return Checkpoint(spec, net, sparse)
+
+
+# -- training checkpoints (resume) ---------------------------------------------------------------
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def step_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
+
+
+def begin_training_checkpoint(output_dir: str | Path, step: int) -> Path:
+    """A fresh temporary directory beside the final step-XXXXXXXX one, to write the files into."""
+    return _fresh_tmp_dir(step_dir(output_dir, step))
+
+
+def commit_training_checkpoint(
+    tmp: Path, output_dir: str | Path, step: int, info: dict[str, Any], keep: int = 2
+) -> Path:
+    """Write the manifest, rename `tmp` to checkpoints/step-XXXXXXXX and keep the newest `keep`."""
+    final = step_dir(output_dir, step)
+    write_manifest(tmp, {"step": step, **info})
+    _swap_in(tmp, final)
+    for old in sorted(final.parent.glob("step-*"))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_training_checkpoint(output_dir: str | Path) -> tuple[Path, dict[str, Any], list[str]]:
+    """(directory, manifest, why newer ones were skipped) of the newest checkpoint that verifies."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    skipped: list[str] = []
+    for candidate in sorted(root.glob("step-*"), reverse=True):
+        try:
+            return candidate, verify_manifest(candidate), skipped
+        except DataError as exc:
+            skipped.append(str(exc))
+    if skipped:
+        raise DataError(f"{root}: no valid checkpoint; newest problem: {skipped[0]}")
+    raise DataError(f"{root}: no checkpoint to resume from (set runtime.checkpoint_every)")

@@ -38,6 +38,11 @@ def _register_train(subparsers: Any) -> None:
         "--address", default=None, help="Ray cluster address (default: start an embedded local Ray)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in output_dir")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in output_dir from its newest valid checkpoint (sync mode)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 
@@ -50,6 +55,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(None, "--steps", "a positive integer", args.steps)
+    if args.resume and args.overwrite:
+        raise ConfigError(None, "--resume", "not together with --overwrite", "both")
     job = load_job(args.job)
     plan = load_plan(args.plan)
     summary = train(
@@ -60,12 +67,17 @@ def _train(args: argparse.Namespace) -> int:
         address=args.address,
         overwrite=args.overwrite,
         plan_file=args.plan,
+        resume=args.resume,
     )
     busy = " ".join(f"s{s['index']}:{s['busy']:.0%}" for s in summary.stages)
     print(
         f"trained {summary.steps} batches ({summary.samples:,} samples) in {summary.seconds:.1f} s: "
         f"{summary.throughput:,.0f} samples/s, busy {busy}"
     )
+    if "resumed_from" in summary.extra:
+        print(f"resumed from {summary.extra['resumed_from']['checkpoint']}")
+    if summary.extra.get("checkpoints"):
+        print(f"checkpoints written: {len(summary.extra['checkpoints'])} (newest kept in checkpoints/)")
     if summary.auc is not None:
         print(f"eval ({summary.eval_rows:,} rows): AUC {summary.auc:.4f}, logloss {summary.logloss:.4f}")
     print(f"wrote {summary.output_dir}/{SUMMARY_FILE} and the model in {summary.output_dir}/model/")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,8 +26,17 @@ from heterps_ray.config import JobConfig
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec, build_model
+from heterps_ray.ps.atomic import read_npz, write_bytes_atomic, write_npz_atomic
 from heterps_ray.ps.shard import PSShard, TableSpec
-from heterps_ray.runtime.checkpoint import MODEL_DIR, save_checkpoint
+from heterps_ray.runtime.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST,
+    MODEL_DIR,
+    begin_training_checkpoint,
+    commit_training_checkpoint,
+    latest_training_checkpoint,
+    save_checkpoint,
+)
 from heterps_ray.runtime.evaluation import evaluate_logits
 from heterps_ray.runtime.pipeline import StageSpec, check_capacity, resolve_stages
 from heterps_ray.runtime.workers import (
@@ -72,10 +82,7 @@ class RunSummary:
         return json.dumps(_jsonable(asdict(self)), indent=2)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n")
-        return path
+        return write_bytes_atomic(path, (self.to_json() + "\n").encode())
 
 
 def train(
@@ -87,33 +94,47 @@ def train(
     overwrite: bool = False,
     plan_file: str | None = None,
     save: bool = True,
+    resume: bool = False,
 ) -> RunSummary:
     """Run `plan` (a :class:`heterps_ray.scheduling.Plan`) for `job` on Ray and return its summary.
 
     Uses the running Ray if there is one, else connects to `address` (or $RAY_ADDRESS), else starts
     an embedded local Ray with the cluster's resource types as custom resources (stopped at the end).
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
+    `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (sync mode).
     """
     model = build_model(job.model)
     stages = resolve_stages(plan, model, job, plan_file)
     num_shards = job.runtime.ps_shards or int(plan.ps_shards)
     check_capacity(stages, num_shards, job.cluster, plan_file)
     output_dir = Path(job.output_dir)
-    if save:
+    plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+    _check_checkpointing(job, resume, save)
+    start: dict[str, Any] = {}
+    if resume:
+        start = _resume_point(output_dir, plan_dict, num_shards)
+    elif save:
         _claim_output_dir(output_dir, overwrite)
     train_files, eval_files = _dataset_files(job)
     owns_ray = connect(job.cluster, address)
     run = _Run(job, model, stages, num_shards, train_files)
     try:
         placement = run.start()
+        if start:
+            run.restore(start["directory"])
         target = steps or job.runtime.train_steps
-        history = run.train(target, progress)
+        saver = (
+            _CheckpointSaver(output_dir, job.runtime.checkpoint_every, plan_dict, num_shards)
+            if save and job.runtime.checkpoint_every
+            else None
+        )
+        history = run.train(target, progress, start, saver)
         metrics = run.evaluate(eval_files)
         summary = RunSummary(
             job=job.name,
             mode=job.mode,
             model=model.name,
-            plan=plan.to_dict() if hasattr(plan, "to_dict") else dict(plan),
+            plan=plan_dict,
             stages=history["stages"],
             ps_shards=num_shards,
             steps=history["steps"],
@@ -129,6 +150,14 @@ def train(
             output_dir=str(output_dir) if save else None,
             extra={"chunks": history["chunks"], "data_wait_s": run.data_wait()},
         )
+        if saver is not None:
+            summary.extra["checkpoints"] = saver.written
+        if start:
+            summary.extra["resumed_from"] = {
+                "checkpoint": str(start["directory"]),
+                "step": start["steps"],
+                "skipped": start["skipped"],
+            }
         if save:
             run.save_model(output_dir / MODEL_DIR)
             summary.save(output_dir / SUMMARY_FILE)
@@ -272,16 +301,28 @@ class _Run:
                     demand[key] = demand.get(key, 0.0) + amount * count
         return demand
 
-    def train(self, target: int | None, progress: bool) -> dict[str, Any]:
-        """Drive the DataWorkers chunk by chunk until `target` batches (or the data) are done."""
+    def train(
+        self,
+        target: int | None,
+        progress: bool,
+        start: dict[str, Any] | None = None,
+        saver: _CheckpointSaver | None = None,
+    ) -> dict[str, Any]:
+        """Drive the DataWorkers chunk by chunk until `target` batches (or the data) are done, from
+        `start` (a resumed checkpoint's steps, samples and losses), checkpointing through `saver`."""
         from tqdm import tqdm
 
+        start = start or {}
         total = target if target is not None else self._batches_available()
         bar = tqdm(
-            total=total, unit="batch", desc=f"train {self.job.name} ({self.job.mode})", disable=not progress
+            total=total,
+            initial=start.get("steps", 0),
+            unit="batch",
+            desc=f"train {self.job.name} ({self.job.mode})",
+            disable=not progress,
         )
-        losses: list[float] = []
-        done = samples = 0
+        losses: list[float] = list(start.get("losses", []))
+        done, samples = start.get("steps", 0), start.get("samples", 0)
         active = list(range(self.num_workers))
         busy_prev = self._stage_stats()
         seconds = 0.0
@@ -291,6 +332,8 @@ class _Run:
                 per = _CHUNK_STEPS
                 if target is not None:
                     per = min(per, math.ceil((target - done) / len(active)))
+                if saver is not None:  # end chunks on checkpoint boundaries
+                    per = min(per, math.ceil((saver.next_step(done) - done) / len(active)))
                 t0 = time.perf_counter()
                 results = ray.get([self.data_workers[i].run.remote(per) for i in active])
                 interval = time.perf_counter() - t0
@@ -301,6 +344,8 @@ class _Run:
                     done += r["steps"]
                     samples += r["samples"]
                 active = [i for i, r in zip(active, results, strict=True) if not r["exhausted"]]
+                if saver is not None and done >= saver.next_step(done - sum(r["steps"] for r in results)):
+                    saver.save(self, done, samples, losses)
                 stats = self._stage_stats()
                 busy = _busy_fractions(busy_prev, stats, interval, self.stages)
                 busy_prev = stats
@@ -390,10 +435,92 @@ class _Run:
             directory, self.job.model, self.model, self.job.seed, dense, {SPARSE_TABLE: sparse}, settings
         )
 
+    def write_checkpoint(self, tmp: Path) -> None:
+        """Sync mode, between chunks (sparse pushes settled, optimizers stepped): every actor's state."""
+        snapshots = [s.snapshot.remote(str(tmp / _shard_file(i))) for i, s in enumerate(self.shards)]
+        owners = self._trained_actors()
+        for name, state in zip(
+            owners, ray.get([a.train_state.remote() for a in owners.values()]), strict=True
+        ):
+            write_npz_atomic(tmp / name, state)
+        ray.get(snapshots)
+
+    def restore(self, directory: Path) -> None:
+        """Load a verified checkpoint into freshly started actors (same plan and shard count)."""
+        refs = [s.restore.remote(str(directory / _shard_file(i))) for i, s in enumerate(self.shards)]
+        owners = self._trained_actors()
+        refs += [a.load_train_state.remote(read_npz(directory / name)) for name, a in owners.items()]
+        ray.get(refs)
+
+    def _trained_actors(self) -> dict[str, Any]:
+        """Checkpoint file name -> actor with dense weights and optimizer state."""
+        owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            owners.update({f"stage{stage.index}-replica{r:03d}.npz": w for r, w in enumerate(replicas)})
+        return owners
+
     def shutdown(self) -> None:
         for actor in self.data_workers + [a for r in self.stage_workers for a in r] + self.shards:
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
+
+
+def _shard_file(index: int) -> str:
+    return f"ps-shard-{index:05d}.npz"
+
+
+class _CheckpointSaver:
+    """Writes output_dir/checkpoints/step-XXXXXXXX every `every` batches, keeping the newest 2."""
+
+    def __init__(self, output_dir: Path, every: int, plan: dict[str, Any], num_shards: int):
+        self.output_dir, self.every, self.plan, self.num_shards = output_dir, every, plan, num_shards
+        self.written: list[str] = []
+
+    def next_step(self, done: int) -> int:
+        return (done // self.every + 1) * self.every
+
+    def save(self, run: _Run, done: int, samples: int, losses: list[float]) -> Path:
+        tmp = begin_training_checkpoint(self.output_dir, done)
+        try:
+            run.write_checkpoint(tmp)
+            info = {"samples": samples, "losses": losses, "plan": self.plan, "ps_shards": self.num_shards}
+            final = commit_training_checkpoint(tmp, self.output_dir, done, info)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.written.append(str(final))
+        return final
+
+
+def _check_checkpointing(job: JobConfig, resume: bool, save: bool) -> None:
+    if job.mode != "sync" and (resume or job.runtime.checkpoint_every):
+        raise ConfigError(
+            None,
+            "runtime.checkpoint_every" if job.runtime.checkpoint_every else "--resume",
+            "sync mode (checkpoints and resume are sync-only for now)",
+            job.mode,
+        )
+    if resume and not save:
+        raise ConfigError(None, "resume", "save=True (a resumed run writes to its output_dir)", resume)
+
+
+def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int) -> dict[str, Any]:
+    """The newest valid checkpoint of `output_dir`, checked against this run's plan."""
+    directory, manifest, skipped = latest_training_checkpoint(output_dir)
+    if manifest.get("plan") != plan or manifest.get("ps_shards") != num_shards:
+        raise ConfigError(
+            str(directory / MANIFEST),
+            "plan",
+            f"the plan and PS shard count the checkpoint was written with ({manifest.get('ps_shards')} shards)",
+            f"a different plan or {num_shards} shards",
+        )
+    return {
+        "directory": directory,
+        "steps": int(manifest["step"]),
+        "samples": int(manifest["samples"]),
+        "losses": [float(x) for x in manifest["losses"]],
+        "skipped": skipped,
+    }
 
 
 def _busy_fractions(
@@ -416,18 +543,21 @@ def _peak_queues(stats: list[list[dict[str, Any]]], stages: list[StageSpec]) -> 
 
 def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse a directory holding a previous run, unless `overwrite` (then its run files go)."""
-    previous = [p for p in (output_dir / SUMMARY_FILE, output_dir / MODEL_DIR) if p.exists()]
+    previous = [
+        p
+        for p in (output_dir / SUMMARY_FILE, output_dir / MODEL_DIR, output_dir / CHECKPOINTS_DIR)
+        if p.exists()
+    ]
     if previous and not overwrite:
         raise ConfigError(
             None,
             "output_dir",
-            f"a directory without a previous run (found {previous[0].name}); pass --overwrite to replace it",
+            f"a directory without a previous run (found {previous[0].name}); pass --resume to continue "
+            "it or --overwrite to replace it",
             str(output_dir),
         )
     for p in previous:
         if p.is_dir():
-            import shutil
-
             shutil.rmtree(p)
         else:
             p.unlink()

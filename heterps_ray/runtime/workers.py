@@ -77,6 +77,39 @@ def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) ->
     return torch.optim.SGD(params, lr=config.dense_lr)
 
 
+def train_state_of(module: torch.nn.Module, names: dict[str, str], optimizer: Any) -> dict[str, np.ndarray]:
+    """Dense weights and optimizer state (e.g. Adam moments and step) as flat named numpy arrays."""
+    out = {f"param/{names[k]}": v.detach().cpu().numpy() for k, v in module.named_parameters()}
+    if optimizer is not None:
+        state = optimizer.state_dict()["state"]
+        for i, (local, _) in enumerate(module.named_parameters()):
+            for key, value in state.get(i, {}).items():
+                out[f"optim/{names[local]}/{key}"] = torch.as_tensor(value).detach().cpu().numpy()
+    return out
+
+
+def load_train_state(
+    module: torch.nn.Module, names: dict[str, str], optimizer: Any, state: dict[str, np.ndarray]
+) -> None:
+    """Restore what :func:`train_state_of` returned (same stage layout)."""
+    with torch.no_grad():
+        for local, p in module.named_parameters():
+            p.copy_(torch.from_numpy(np.asarray(state[f"param/{names[local]}"])).to(p.device))
+    if optimizer is not None:
+        saved = optimizer.state_dict()
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for i, (local, _) in enumerate(module.named_parameters()):
+            prefix = f"optim/{names[local]}/"
+            entries = {
+                k[len(prefix) :]: torch.from_numpy(np.array(v))
+                for k, v in state.items()
+                if k.startswith(prefix)
+            }
+            if entries:
+                per_param[i] = entries
+        optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})
+
+
 def _placement(**fields: Any) -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {
@@ -298,6 +331,13 @@ class StageWorker:
     def dense_state(self) -> dict[str, np.ndarray]:
         """The stage's dense weights under their whole-model names."""
         return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
+
+    def train_state(self) -> dict[str, np.ndarray]:
+        """Sync mode, at a batch boundary: weights and optimizer state for a checkpoint."""
+        return train_state_of(self.module, self.names, self._optimizer)
+
+    def load_train_state(self, state: dict[str, np.ndarray]) -> None:
+        load_train_state(self.module, self.names, self._optimizer, state)
 
 
 def dense_table_name(stage_index: int) -> str:
@@ -618,3 +658,25 @@ class DataWorker:
 
     def dense_state(self) -> dict[str, np.ndarray]:
         return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
+
+    def train_state(self) -> dict[str, np.ndarray]:
+        """Sync mode, between runs: weights, optimizer state and the position in the data."""
+        return {
+            **train_state_of(self.module, self.names, self._optimizer),
+            "data/batch_index": np.array(self._batch_index, dtype=np.int64),
+            "data/counter": np.array(self._counter, dtype=np.int64),
+            "data/samples": np.array(self._samples, dtype=np.int64),
+        }
+
+    def load_train_state(self, state: dict[str, np.ndarray]) -> int:
+        """Restore a :meth:`train_state` and skip the batches it had trained; returns how many."""
+        load_train_state(self.module, self.names, self._optimizer, state)
+        skip = int(state["data/batch_index"])
+        self._batches = self._read_batches()
+        for _ in range(skip):
+            if next(self._batches, None) is None:
+                raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
+        self._batch_index = skip
+        self._counter = int(state["data/counter"])
+        self._samples = int(state["data/samples"])
+        return skip
