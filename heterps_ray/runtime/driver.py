@@ -483,7 +483,12 @@ class _CheckpointSaver:
         tmp = begin_training_checkpoint(self.output_dir, done)
         try:
             run.write_checkpoint(tmp)
-            info = {"samples": samples, "losses": losses, "plan": self.plan, "ps_shards": self.num_shards}
+            info = {
+                "samples": samples,
+                "losses": losses,
+                "plan": _jsonable(self.plan),
+                "ps_shards": self.num_shards,
+            }
             final = commit_training_checkpoint(tmp, self.output_dir, done, info)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -507,12 +512,13 @@ def _check_checkpointing(job: JobConfig, resume: bool, save: bool) -> None:
 def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int) -> dict[str, Any]:
     """The newest valid checkpoint of `output_dir`, checked against this run's plan."""
     directory, manifest, skipped = latest_training_checkpoint(output_dir)
-    if manifest.get("plan") != plan or manifest.get("ps_shards") != num_shards:
+    stages = json.loads(json.dumps(_jsonable(plan.get("stages"))))
+    if (manifest.get("plan") or {}).get("stages") != stages or manifest.get("ps_shards") != num_shards:
         raise ConfigError(
             str(directory / MANIFEST),
             "plan",
-            f"the plan and PS shard count the checkpoint was written with ({manifest.get('ps_shards')} shards)",
-            f"a different plan or {num_shards} shards",
+            f"the stages and PS shard count the checkpoint was written with ({manifest.get('ps_shards')} shards)",
+            f"different stages or {num_shards} shards",
         )
     return {
         "directory": directory,
