@@ -1,0 +1,203 @@
+"""Checkpoints that survive crashes and a sync run that resumes exactly: atomic writes, a SHA-256
+manifest that catches truncated or corrupted files, periodic checkpoints on a real local Ray, and
+`heterps train --resume` giving the same model and losses as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.errors import DataError
+from heterps_ray.ps.atomic import read_npz, write_npz_atomic
+from heterps_ray.runtime.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST,
+    begin_training_checkpoint,
+    commit_training_checkpoint,
+    latest_training_checkpoint,
+    load_checkpoint,
+    verify_manifest,
+)
+from heterps_ray.runtime.driver import SUMMARY_FILE, train
+from heterps_ray.scheduling.plan import load_plan
+
+REPO = Path(__file__).resolve().parents[1]
+PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
+MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
+BATCH = 64
+TOTAL, STOP = 12, 6  # batches of the whole run, and where the interrupted run stops
+
+
+class _Unconvertible:
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("disk full, say")
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "state.npz"
+    write_npz_atomic(path, {"w": np.arange(4.0)})
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_npz_atomic(path, {"w": _Unconvertible()})
+    np.testing.assert_array_equal(read_npz(path)["w"], np.arange(4.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["state.npz"]
+
+
+def test_object_arrays_are_refused_rather_than_pickled(tmp_path):
+    with pytest.raises(ValueError, match="Python objects"):
+        write_npz_atomic(tmp_path / "x.npz", {"x": np.array([{"a": 1}], dtype=object)})
+    assert not list(tmp_path.iterdir())
+
+
+def test_truncated_or_flipped_npz_is_a_data_error_naming_the_file(tmp_path):
+    path = tmp_path / "shard.npz"
+    write_npz_atomic(path, {"keys": np.arange(1000, dtype=np.int64)})
+    original = path.read_bytes()
+    path.write_bytes(original[: len(original) // 2])
+    with pytest.raises(DataError, match="shard.npz"):
+        read_npz(path)
+    path.write_bytes(original)
+    _flip_byte(path, len(original) - 30)  # inside the zip's central directory
+    with pytest.raises(DataError, match="shard.npz"):
+        read_npz(path)
+
+
+def _fake_checkpoint(output: Path, step: int) -> Path:
+    tmp = begin_training_checkpoint(output, step)
+    write_npz_atomic(tmp / "ps-shard-00000.npz", {"w": np.full(64, float(step))})
+    return commit_training_checkpoint(tmp, output, step, {"samples": step * BATCH, "losses": [], "plan": {}})
+
+
+def test_manifest_catches_corruption_and_resume_falls_back_to_an_older_checkpoint(tmp_path):
+    for step in (4, 8, 12):
+        _fake_checkpoint(tmp_path, step)
+    kept = sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir())
+    assert kept == ["step-00000008", "step-00000012"]  # the newest two, no temporaries left
+    newest = tmp_path / CHECKPOINTS_DIR / "step-00000012"
+    shard = newest / "ps-shard-00000.npz"
+    before = shard.read_bytes()
+    _flip_byte(shard, 100)
+    with pytest.raises(DataError, match="ps-shard-00000.npz.*SHA-256"):
+        verify_manifest(newest)
+    directory, manifest, skipped = latest_training_checkpoint(tmp_path)
+    assert directory.name == "step-00000008" and manifest["step"] == 8 and manifest["samples"] == 8 * BATCH
+    assert len(skipped) == 1 and "step-00000012" in skipped[0]
+    assert shard.stat().st_size == len(before)  # verifying rewrote nothing
+    (tmp_path / CHECKPOINTS_DIR / "step-00000008" / "ps-shard-00000.npz").write_bytes(b"PK\x03")
+    with pytest.raises(DataError, match="no valid checkpoint"):
+        latest_training_checkpoint(tmp_path)
+
+
+# -- on a real local Ray -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("resume") / "data"
+    synthesize(path, 2_000, seed=11, rows_per_part=1_000)  # 1,800 train rows: 28 batches of 64
+    return path
+
+
+def make_job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "name": "resume-test",
+            "model": MODEL,
+            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
+            "data": {"path": str(dataset)},
+            "batch_size": BATCH,
+            "samples": 2_000,
+            "throughput_min": 0,
+            "mode": "sync",
+            "output_dir": str(output),
+            "seed": 7,
+            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": checkpoint_every},
+        }
+    )
+
+
+def _model_arrays(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    ckpt = load_checkpoint(run_dir / "model")
+    dense = {k: v.detach().numpy() for k, v in ckpt.net.state_dict().items()}
+    state = ckpt.table.state()
+    order = np.argsort(state["keys"])
+    return dense, {k: v[order] for k, v in state.items()}
+
+
+@pytest.mark.slow
+def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset, tmp_path):
+    from heterps_ray.cli import main
+
+    plan = load_plan(PLAN)
+    whole = train(make_job(dataset, tmp_path / "whole"), plan, steps=TOTAL, progress=False)
+
+    run_dir = tmp_path / "resumed"
+    first = train(make_job(dataset, run_dir, checkpoint_every=STOP), plan, steps=STOP, progress=False)
+    assert first.extra["checkpoints"] == [str(run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}")]
+    manifest = json.loads((run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}" / MANIFEST).read_text())
+    assert manifest["step"] == STOP and manifest["samples"] == STOP * BATCH
+    assert sorted(manifest["files"]) == [
+        "data-000.npz",
+        "ps-shard-00000.npz",
+        "ps-shard-00001.npz",
+        "stage1-replica000.npz",
+        "stage2-replica000.npz",
+    ]
+    assert any(
+        k.endswith("/exp_avg_sq")
+        for k in read_npz(run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}" / "stage1-replica000.npz")
+    )
+
+    # a previous run is refused without --resume, and the refusal destroys nothing
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(make_job(dataset, run_dir, checkpoint_every=STOP).model_dump_json())
+    argv = ["train", str(job_file), "--plan", str(PLAN), "--steps", str(TOTAL), "--no-progress"]
+    assert main(argv) == 2
+    assert (run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}" / MANIFEST).exists()
+
+    assert main([*argv, "--resume"]) == 0
+    resumed = json.loads((run_dir / SUMMARY_FILE).read_text())
+    assert resumed["steps"] == TOTAL and resumed["samples"] == TOTAL * BATCH
+    assert resumed["extra"]["resumed_from"]["step"] == STOP
+    np.testing.assert_allclose(resumed["losses"], whole.losses, rtol=0, atol=1e-6)
+    assert len(whole.losses) == TOTAL
+
+    dense_a, sparse_a = _model_arrays(tmp_path / "whole")
+    dense_b, sparse_b = _model_arrays(run_dir)
+    assert dense_a.keys() == dense_b.keys()
+    for name in dense_a:
+        np.testing.assert_allclose(dense_b[name], dense_a[name], rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(sparse_b["keys"], sparse_a["keys"])
+    np.testing.assert_allclose(sparse_b["weights"], sparse_a["weights"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sparse_b["accumulators"], sparse_a["accumulators"], rtol=0, atol=1e-6)
+    kept = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir())
+    assert kept == [f"step-{STOP:08d}", f"step-{TOTAL:08d}"]
+
+    # a corrupted model file is a DataError naming it, and loading destroys nothing
+    dense_file = run_dir / "model" / "dense.npz"
+    _flip_byte(dense_file, 200)
+    with pytest.raises(DataError, match="dense.npz"):
+        load_checkpoint(run_dir / "model")
+    assert dense_file.exists() and (run_dir / "model" / MANIFEST).exists()
+
+
+def test_resume_of_a_directory_without_a_checkpoint_exits_2(ray_local, dataset, tmp_path, capsys):
+    from heterps_ray.cli import main
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(make_job(dataset, tmp_path / "empty").model_dump_json())
+    code = main(["train", str(job_file), "--plan", str(PLAN), "--steps", "2", "--no-progress", "--resume"])
+    assert code == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert not (tmp_path / "empty" / SUMMARY_FILE).exists()
