@@ -223,7 +223,11 @@ class RLScheduler(Scheduler):
         # One thread: these networks are tiny, and on a busy machine a second thread only waits.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        from tqdm import tqdm
+
         algo = self.config.ppo_config({"problems": [problem]}, self.seed).build_algo()
+        # A bar on a terminal only (disable=None): iterations when counted, else PPO iterations so far.
+        bar = tqdm(total=self.iterations, desc="rl training", unit="iter", disable=None, leave=False)
         try:
             if initial is not None:
                 set_weights(algo, initial.state_dict())
@@ -242,6 +246,8 @@ class RLScheduler(Scheduler):
                 result = algo.train()
                 last = time.perf_counter() - t0
                 iteration += 1
+                bar.update(1)
+                bar.set_postfix(episode_return=f"{_episode_return_mean(result):.3f}", refresh=False)
                 log.info(
                     "rl iteration %d: %.1f s, return %.3f", iteration, last, _episode_return_mean(result)
                 )
@@ -261,6 +267,7 @@ class RLScheduler(Scheduler):
             module = self.module = algo.get_module()
             info = {"trained": True, "iterations": iteration, "episodes": sum(env.episodes for env in envs)}
         finally:
+            bar.close()
             algo.stop()
             torch.set_num_threads(threads)
         view = ProblemView(problem)
