@@ -75,9 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except HeterPSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except Exception as exc:
+        error = _user_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def _user_error(exc: BaseException) -> HeterPSError | None:
+    """The user error behind `exc`: itself, or the one an actor raised (Ray wraps it in a RayTaskError
+    whose `cause` it is, and whose text is a remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, HeterPSError):
+        return cause
+    return exc if isinstance(exc, HeterPSError) else None
 
 
 if __name__ == "__main__":

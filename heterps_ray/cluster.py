@@ -6,41 +6,77 @@ One rule for every command (profile, train, run, plan with rl):
 3. else start an embedded local Ray that declares each resource type of the cluster config as a
    custom resource with ``max_instances`` units, so actors are admitted per type as on a real cluster.
    ``address="local"`` keeps it from attaching to a ``ray start`` cluster on the same machine; the
-   dashboard stays off, and the object store is bounded instead of taking 30% of RAM.
+   dashboard stays off (and binds to 127.0.0.1 when asked for), token authentication stays on, and the
+   object store is bounded instead of taking 30% of RAM.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from typing import Any
 
 from heterps_ray.config import ClusterConfig
 from heterps_ray.errors import ConfigError
 
 OBJECT_STORE_BYTES = 1 << 30  # embedded Ray: 1 GiB object store
+DASHBOARD_HOST = "127.0.0.1"  # only this machine reaches a dashboard unless the user asks otherwise
+AUTH_MODE_VAR = "RAY_AUTH_MODE"  # Ray's switch for token authentication ("token" or "disabled")
+
+log = logging.getLogger(__name__)
 
 
-def connect(cluster: ClusterConfig | None, address: str | None = None) -> bool:
+def connect(
+    cluster: ClusterConfig | None,
+    address: str | None = None,
+    *,
+    dashboard: bool = False,
+    dashboard_host: str = DASHBOARD_HOST,
+) -> bool:
     """Make sure Ray is initialised and declares every resource type of `cluster` (ConfigError if
     not); returns True when this call started Ray (then the caller shuts it down)."""
     import ray
 
     started = not ray.is_initialized()
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if started and address:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-    elif started:
-        ray.init(
-            address="local",
-            resources=cluster.local_resources() if cluster else None,
-            object_store_memory=OBJECT_STORE_BYTES,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    if started:
+        if not address:
+            _keep_token_auth()
+        ray.init(**init_kwargs(cluster, address, dashboard=dashboard, dashboard_host=dashboard_host))
     if cluster is not None:
         _check_resource_types(cluster, started)
     return started
+
+
+def init_kwargs(
+    cluster: ClusterConfig | None,
+    address: str | None = None,
+    *,
+    dashboard: bool = False,
+    dashboard_host: str = DASHBOARD_HOST,
+) -> dict[str, Any]:
+    """The `ray.init` arguments of :func:`connect`: attach to `address`, or start an embedded Ray."""
+    if address:
+        return {"address": address, "log_to_driver": False, "configure_logging": False}
+    return {
+        "address": "local",
+        "resources": cluster.local_resources() if cluster else None,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "include_dashboard": dashboard,
+        "dashboard_host": dashboard_host,
+        "log_to_driver": False,
+        "configure_logging": False,
+    }
+
+
+def _keep_token_auth() -> None:
+    """Token authentication is Ray's default for a local Ray; this only warns when the user's
+    environment switches it off. (Setting RAY_AUTH_MODE here, after `import ray`, would leave the
+    driver and the Ray it starts disagreeing about the mode: the GCS then rejects the driver.)"""
+    mode = os.environ.get(AUTH_MODE_VAR)
+    if mode is not None and mode.lower() != "token":
+        log.warning("%s=%s: the embedded Ray runs without token authentication", AUTH_MODE_VAR, mode)
 
 
 def _check_resource_types(cluster: ClusterConfig, started: bool) -> None:

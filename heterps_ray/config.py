@@ -153,7 +153,13 @@ class RuntimeConfig(BaseModel):
     train_steps: int | None = Field(None, ge=1, description="stop after this many batches")
     epochs: int = Field(1, ge=1)
     checkpoint_every: int = Field(
-        0, ge=0, description="sync mode: write a resumable checkpoint every N batches (0 = off)"
+        0,
+        ge=0,
+        description="write a resumable checkpoint (PS snapshots, dense state, data position) every N "
+        "batches; faults roll back to the newest one (0 = none: a fault rolls back to the run's start)",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
     )
 
 

@@ -28,6 +28,10 @@ class ConfigError(HeterPSError):
         got_text = "" if got is None else f" (got {got!r})"
         super().__init__(f"{where}field '{field}': expected {expected}{got_text}")
 
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        # Errors raised inside Ray actors are pickled back to the driver: keep every argument.
+        return type(self), (self.file, self.field, self.expected, self.got)
+
 
 class DataError(HeterPSError):
     """Input data is missing, unreadable or malformed."""
@@ -44,3 +48,6 @@ class InfeasibleError(HeterPSError):
     def __init__(self, message: str, best_throughput: float):
         self.best_throughput = best_throughput
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.args[0], self.best_throughput)

@@ -10,6 +10,12 @@ Everything a run produces lands in the job's output_dir::
     plan.json                                                          the schedule
     run_summary.json, model/                                           the training run
     run_report.json                                                    the comparison below
+    plan-replan-N.json                                                 plans made when resources changed
+
+Elastic: when the Ray cluster's resource types change mid-run (a node with a type leaves or joins),
+training stops at a checkpoint, the problem is restricted to the types present now (their profiles
+are kept), the job's scheduler re-plans, and training resumes from the checkpoint with the new plan.
+Each re-plan is printed and listed under "replans" in run_report.json.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,7 @@ from heterps_ray.config import JobConfig
 from heterps_ray.errors import ConfigError
 
 REPORT_FILE = "run_report.json"
+_MAX_REPLANS = 5  # resource changes one run follows before it gives up
 
 
 @dataclass
@@ -43,6 +51,7 @@ class RunReport:
     logloss: float | None
     seconds: dict[str, float]  # wall time of each phase
     output_dir: str
+    replans: list[dict[str, Any]] = field(default_factory=list)  # resource changes and the new plans
 
     def table(self) -> str:
         err = (
@@ -81,18 +90,23 @@ def run_job(
     from heterps_ray.cluster import connect
     from heterps_ray.costmodel import load_problem
     from heterps_ray.data.dataset import prepare_dataset
-    from heterps_ray.errors import InfeasibleError
     from heterps_ray.profiling.fit import write_problem
     from heterps_ray.profiling.profiler import ProfileSettings, profile
-    from heterps_ray.runtime.driver import train
+    from heterps_ray.runtime.checkpoint import CHECKPOINTS_DIR, MODEL_DIR
+    from heterps_ray.runtime.driver import SUMMARY_FILE, train
+    from heterps_ray.runtime.elastic import ResourcesChanged, restrict_problem
     from heterps_ray.scheduling import get_scheduler
 
     out = Path(job.output_dir)
-    if (out / REPORT_FILE).exists() and not overwrite:
+    # Refused before profiling writes problem.yaml / plan.json: a `heterps train` run counts too.
+    previous = [
+        name for name in (REPORT_FILE, SUMMARY_FILE, MODEL_DIR, CHECKPOINTS_DIR) if (out / name).exists()
+    ]
+    if previous and not overwrite:
         raise ConfigError(
             None,
             "output_dir",
-            f"a directory without a previous run (found {REPORT_FILE}); pass --overwrite",
+            f"a directory without a previous run (found {previous[0]}); pass --overwrite",
             str(out),
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -120,22 +134,54 @@ def run_job(
         kwargs: dict[str, Any] = {"seed": job.seed}
         if budget_s is not None:
             kwargs["budget_s"] = budget_s
-        plan = get_scheduler(job.scheduler, **kwargs).schedule(problem)
+        scheduler = get_scheduler(job.scheduler, **kwargs)
+        plan = _feasible(scheduler.schedule(problem), problem, job)
         seconds["plan"] = time.perf_counter() - t0
-        if not plan.feasible:
-            raise InfeasibleError(
-                f"no plan reaches the floor of {problem.throughput_min:,.0f} samples/s on cluster "
-                f"{job.cluster.name!r}; the fastest reaches {plan.throughput:,.0f} samples/s. Lower "
-                "throughput_min, or raise max_instances of a resource type.",
-                plan.throughput,
-            )
-        plan.save(out / "plan.json")
+        plan_file = out / "plan.json"
+        plan.save(plan_file)
         print(plan.table())
 
         t0 = time.perf_counter()
-        summary = train(
-            job, plan, steps=steps, progress=progress, overwrite=overwrite, plan_file=str(out / "plan.json")
-        )
+        replans: list[dict[str, Any]] = []
+        resume = False
+        while True:
+            try:
+                summary = train(
+                    job,
+                    plan,
+                    steps=steps,
+                    progress=progress,
+                    overwrite=overwrite or bool(replans),
+                    plan_file=str(plan_file),
+                    resume=resume,
+                    elastic=True,
+                )
+                break
+            except ResourcesChanged as change:
+                if len(replans) >= _MAX_REPLANS:
+                    raise
+                new_plan = _feasible(scheduler.schedule(restrict_problem(problem, change.now)), problem, job)
+                plan_file = out / f"plan-replan-{len(replans) + 1}.json"
+                new_plan.save(plan_file)
+                replans.append(
+                    {
+                        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+                        "reason": change.reason,
+                        "step": change.step,
+                        "types_before": change.before,
+                        "types_now": change.now,
+                        "checkpoint": str(change.checkpoint) if change.checkpoint else None,
+                        "old_plan": _plan_line(plan),
+                        "new_plan": _plan_line(new_plan),
+                        "new_plan_file": str(plan_file),
+                    }
+                )
+                where = (
+                    f"checkpoint {change.checkpoint}" if change.checkpoint else "the start (no checkpoint)"
+                )
+                print(f"re-plan: {change.reason} at step {change.step}; resuming from {where} with:")
+                print(new_plan.table())
+                plan, resume = new_plan, change.checkpoint is not None
         seconds["train"] = time.perf_counter() - t0
     finally:
         if owns_ray:
@@ -146,8 +192,7 @@ def run_job(
     report = RunReport(
         job=job.name,
         scheduler=plan.scheduler,
-        plan=" | ".join(f"{s.layers[0]}..{s.layers[-1]}@{s.type}x{s.replicas}" for s in plan.stages)
-        + f" | ps x{plan.ps_shards}",
+        plan=_plan_line(plan),
         predicted_throughput=plan.throughput,
         achieved_throughput=achieved,
         cost_rate=plan.cost_rate,
@@ -157,9 +202,30 @@ def run_job(
         logloss=summary.logloss,
         seconds={k: round(v, 2) for k, v in seconds.items()},
         output_dir=str(out),
+        replans=replans,
     )
     (out / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _plan_line(plan: Any) -> str:
+    """A plan in one line: stages as first..last layer @ type x replicas, then the PS shards."""
+    stages = " | ".join(f"{s.layers[0]}..{s.layers[-1]}@{s.type}x{s.replicas}" for s in plan.stages)
+    return f"{stages} | ps x{plan.ps_shards}"
+
+
+def _feasible(plan: Any, problem: Any, job: JobConfig) -> Any:
+    """`plan` if it reaches the floor, else an InfeasibleError giving the fastest throughput."""
+    from heterps_ray.errors import InfeasibleError
+
+    if not plan.feasible:
+        raise InfeasibleError(
+            f"no plan reaches the floor of {problem.throughput_min:,.0f} samples/s on cluster "
+            f"{job.cluster.name!r}; the fastest reaches {plan.throughput:,.0f} samples/s. Lower "
+            "throughput_min, or raise max_instances of a resource type.",
+            plan.throughput,
+        )
+    return plan
 
 
 def _one_replica_per_stage(problem: Any) -> Any:

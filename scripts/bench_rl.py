@@ -7,8 +7,9 @@ Modes: `zero-shot` (the shipped pretrained policy, no training), `finetune` (tha
 further on the problem for --budget-s), `train` (a fresh policy trained on the problem for
 --budget-s). For every mode two costs are reported: the plan returned, and the policy's own best
 plan before local polishing (`policy`), so what the policy contributes is visible.
-Rows go to --output as JSON lines; the summary is a markdown section on stdout (and, with
---markdown, in place of that file's "## RL scheduler" section).
+Rows go to --output as JSON lines (a rerun appends, skipping seeds already there); the summary is
+a markdown section on stdout (and, with --markdown, in place of that file's "## RL scheduler" section).
+While /tmp/heterps_quiet exists (another engineer measuring), the run waits between problems.
 """
 
 from __future__ import annotations
@@ -48,7 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON of exact results by problem fingerprint (reused, extended)",
     )
     parser.add_argument("--markdown", type=Path, default=None, help="replace its '## RL scheduler' section")
+    parser.add_argument(
+        "--table",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSONL",
+        help="only merge the rows of these earlier runs (by seed) into one table on stdout, then exit",
+    )
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(_merged_table(args.table))
+        return 0
     command = "python scripts/bench_rl.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     import ray
@@ -66,9 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     cache = json.loads(args.exact_cache.read_text()) if args.exact_cache and args.exact_cache.exists() else {}
+    done = _done_rows(args.output, modes, baselines)
     rows = []
-    with args.output.open("w") as out:
+    with args.output.open("a") as out:
         for seed in range(args.seed, args.seed + args.problems):
+            if seed in done:
+                rows.append(done[seed])
+                continue
+            _wait_while_quiet()
             problem = generate_problem(seed, num_layers=tuple(args.layers), num_types=tuple(args.types))
             key = problem_fingerprint(problem)
             if key not in cache:
@@ -105,6 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown is not None:
         _replace_section(args.markdown, section)
     return 0
+
+
+def _done_rows(path: Path, modes: list[str], baselines: list[str]) -> dict[int, dict[str, Any]]:
+    """Rows of an earlier run of this command (same output file) that already hold every column asked for."""
+    if not path.exists():
+        return {}
+    wanted = [f"rl-{m}" for m in modes] + baselines
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["seed"]: r for r in rows if all(k in r for k in wanted)}
+
+
+def _wait_while_quiet(flag: Path = Path("/tmp/heterps_quiet")) -> None:
+    # Another engineer's measurement needs the shared machine quiet; wait between problems.
+    while flag.exists():
+        time.sleep(10)
 
 
 def _scheduler(cls: Any, mode: str, args: argparse.Namespace) -> Any:
@@ -159,6 +191,49 @@ def _markdown(rows: list[dict[str, Any]], columns: list[str], command: str, args
             f"{_fmt(statistics.median(seconds) if seconds else math.nan)} | {_fmt(max(seconds) if seconds else math.nan)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# Row order of the merged table: baselines, then each RL mode and its policy-only column.
+_TABLE_COLUMNS = ("greedy", "genetic", "random") + tuple(
+    c for m in ("train", "zero-shot", "finetune") for c in (f"rl-{m}", f"rl-{m}-policy")
+)
+
+
+def _merged_table(paths: list[Path]) -> str:
+    """One markdown table over several runs' rows, joined by seed; each row says how many problems it has."""
+    by_seed: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            merged = by_seed.setdefault(row["seed"], {})
+            if merged and merged["exact"] != row["exact"]:
+                raise SystemExit(f"{path}: seed {row['seed']} has another exact cost than an earlier file")
+            merged.update(row)
+    rows = [by_seed[s] for s in sorted(by_seed)]
+    lines = [
+        "| scheduler | problems (feasible) | median cost / exact | worst | feasible when exact is "
+        "| median s | max s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for column in _TABLE_COLUMNS:
+        have = [r for r in rows if column in r]
+        if not have:
+            continue
+        feasible = [r for r in have if r["exact"] is not None]
+        ratios = [r[column] / r["exact"] for r in feasible if r[column] is not None and r["exact"] > 0]
+        found = sum(1 for r in feasible if r[column] is not None)
+        seconds_key = column.removesuffix("-policy") + "_s"
+        seconds = [r[seconds_key] for r in have if seconds_key in r]
+        policy_only = column.endswith("-policy")
+        lines.append(
+            f"| {column.replace('-policy', ', policy only')} | {len(have)} ({len(feasible)}) | "
+            f"{statistics.median(ratios):.4f} | {max(ratios):.4f} | {found}/{len(feasible)} | "
+            f"{'' if policy_only else _fmt(statistics.median(seconds))} | "
+            f"{'' if policy_only else _fmt(max(seconds))} |"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(x: float) -> str:

@@ -8,17 +8,20 @@
 #   scripts/ray_cluster.sh status [SUBMISSION_ID]  a job's status
 #   scripts/ray_cluster.sh stop                    ray stop
 #
-# Token authentication stays on (Ray's default): `ray start` writes the token to ~/.ray/auth_token and
-# the job client reads it with RAY_AUTH_MODE=token. The dashboard (and job server) binds to 127.0.0.1.
+# Token authentication stays on: RAY_AUTH_MODE=token for every command here, whatever the caller's
+# environment says; `ray start` writes the token to ~/.ray/auth_token and the job client reads it.
+# The dashboard (and job server) binds to DASHBOARD_HOST, 127.0.0.1 unless you set it.
 # Outputs: the job writes to the output_dir of its job file, on the head node (this machine).
 # Environment: RAY_BIN (default .venv/bin/ray), HEAD_PORT (6379), DASHBOARD_PORT (8265),
-# RAY_TMP (this cluster's Ray temp dir, default /tmp/heterps_ray), NUM_CPUS (default: all).
+# DASHBOARD_HOST (127.0.0.1), RAY_TMP (this cluster's Ray temp dir, default /tmp/heterps_ray),
+# NUM_CPUS (default: all), DRY_RUN=1 (start: print the `ray start` command line instead of running it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_BIN=${RAY_BIN:-.venv/bin/ray}
 PY=${PY:-.venv/bin/python}
 HEAD_PORT=${HEAD_PORT:-6379}
 DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
+DASHBOARD_HOST=${DASHBOARD_HOST:-127.0.0.1}
 RAY_TMP=${RAY_TMP:-/tmp/heterps_ray}
 ADDRESS="http://127.0.0.1:${DASHBOARD_PORT}"
 LAST_ID_FILE="${RAY_TMP}/heterps_last_submission"
@@ -39,12 +42,17 @@ import socket
 socks = [socket.socket() for _ in range(4)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in socks])')
+    start_cmd=("$RAY_BIN" start --head --node-ip-address 127.0.0.1 --port "$HEAD_PORT"
+      --dashboard-host "$DASHBOARD_HOST" --dashboard-port "$DASHBOARD_PORT"
+      --dashboard-agent-listen-port "$agent_port" --dashboard-agent-grpc-port "$agent_grpc"
+      --runtime-env-agent-port "$env_port" --metrics-export-port "$metrics_port"
+      --resources "$resources" --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}")
+    if [ -n "${DRY_RUN:-}" ]; then
+      echo "RAY_AUTH_MODE=$RAY_AUTH_MODE ${start_cmd[*]}"
+      exit 0
+    fi
     # The cluster's processes (and so a job's entrypoint `python`) use this project's environment.
-    PATH="$(cd "$(dirname "$RAY_BIN")" && pwd):$PATH" "$RAY_BIN" start --head --node-ip-address 127.0.0.1 --port "$HEAD_PORT" \
-      --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
-      --dashboard-agent-listen-port "$agent_port" --dashboard-agent-grpc-port "$agent_grpc" \
-      --runtime-env-agent-port "$env_port" --metrics-export-port "$metrics_port" \
-      --resources "$resources" --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}"
+    PATH="$(cd "$(dirname "$RAY_BIN")" && pwd):$PATH" "${start_cmd[@]}"
     echo "Ray cluster up at $ADDRESS with resource types $resources"
     ;;
   submit)
@@ -90,7 +98,7 @@ print(f"stopped {len(procs)} Ray processes of the cluster in {tmp}")
 PY
     ;;
   *)
-    sed -n '2,18p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -2,12 +2,17 @@
 
     python scripts/train_policy.py --minutes 40 --seed 0
     python scripts/train_policy.py --iterations 5 --pool 20 --out /tmp/policy     # a smoke run
+    python scripts/train_policy.py --tune --samples 7 --env-steps 40000          # Tune the settings
 
 PPO (RLlib) on SchedulingEnv over a pool of generated problems (3..30 layers, 2..5 types by
 default), one problem drawn per episode. The reward is the log cost ratio to each problem's best
 heuristic plan, so the training curve (`curve` in policy.json) reads as "how much cheaper than the
 best simple plan, on average". The pool is drawn from seed + 1_000_000, so problems generated
 from small integer seeds (the benchmarks) are unseen.
+`--tune` runs Ray Tune over the pretraining settings instead (experiments.tune.tune_policy): every
+trial pretrains for the same number of env steps and is scored by the policy alone on held-out
+validation problems; the table goes to --tune-output (JSON) and stdout.
+While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
 
 from __future__ import annotations
@@ -19,17 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_policy, save_policy
-from heterps_ray.scheduling.rl.scheduler import RLConfig, set_weights
+from heterps_ray.scheduling.rl.pretrain import PRETRAIN_CONFIG, pretrain, training_pool
+from heterps_ray.scheduling.rl.scheduler import RLConfig
 
-# Pretraining defaults: bigger batches and a smaller step than per-problem training (many problems).
-PRETRAIN_CONFIG = RLConfig(
-    train_batch_size=1024, minibatch_size=256, num_epochs=6, lr=3e-4, entropy_coeff=0.01, num_envs=8
-)
+QUIET_FLAG = Path("/tmp/heterps_quiet")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,28 +50,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RLConfig field"
     )
+    tuning = parser.add_argument_group("--tune: pick the settings with Ray Tune")
+    tuning.add_argument("--tune", action="store_true", help="search the settings instead of training")
+    tuning.add_argument("--samples", type=int, default=7, help="trials (the first is the current config)")
+    tuning.add_argument("--env-steps", type=int, default=40_000, help="layer decisions of PPO per trial")
+    tuning.add_argument(
+        "--validation", type=int, default=30, help="held-out problems each trial is scored on"
+    )
+    tuning.add_argument("--tune-storage", type=Path, default=Path("runs/tune"), help="Tune's trial folders")
+    tuning.add_argument("--tune-output", type=Path, default=Path("benchmarks/rl_tune_policy.json"))
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="only draw --out's training curve into this PNG, then exit"
+    )
+    parser.add_argument(
+        "--score",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="POLICY_DIR",
+        help="only score these saved policies alone on the --validation problems (as Tune does), then exit",
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        return _plot_curve(args.out, args.plot)
+    if args.score is not None:
+        return _score(args.score, args.validation, _int_range(args.layers), _int_range(args.types))
+    command = "python scripts/train_policy.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     import ray
-    import torch
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if args.tune:
+        return _tune(args, command)
 
     config = _override(PRETRAIN_CONFIG, args.set)
     layers = _int_range(args.layers)
     types = _int_range(args.types)
-    rng = np.random.default_rng(args.seed + 1_000_000)
     started = time.perf_counter()
-    pool = [
-        generate_problem(rng, num_layers=layers, num_types=types, name=f"train-{i}") for i in range(args.pool)
-    ]
+    pool = training_pool(args.pool, args.seed, layers, types)
     print(f"generated {len(pool)} problems in {time.perf_counter() - started:.0f} s", flush=True)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny networks: a second thread only waits
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    algo = config.ppo_config({"problems": pool}, args.seed).build_algo()
-    if args.init is not None:
-        set_weights(algo, load_policy(args.init).state_dict())
     curve: list[dict[str, float]] = []
     metadata = {
         "hidden": config.hidden,
@@ -82,34 +100,106 @@ def main(argv: list[str] | None = None) -> int:
         "pool": args.pool,
         "layers": list(layers),
         "types": list(types),
-        "command": "python scripts/train_policy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "init": None if args.init is None else str(args.init),
         "curve": curve,
     }
-    deadline = started + 60.0 * args.minutes
-    iteration = 0
-    try:
-        while (args.iterations is None or iteration < args.iterations) and time.perf_counter() < deadline:
-            result = algo.train()
-            iteration += 1
-            runners = result.get("env_runners", {})
-            curve.append(
-                {
-                    "iteration": iteration,
-                    "seconds": round(time.perf_counter() - started, 1),
-                    "env_steps": int(runners.get("num_env_steps_sampled_lifetime", 0)),
-                    "episode_return_mean": float(runners.get("episode_return_mean", float("nan"))),
-                }
-            )
-            print(json.dumps(curve[-1]), flush=True)
-            if iteration % args.save_every == 0:
-                save_policy(algo.get_module(), args.out, {**metadata, "iterations": iteration})
-        save_policy(algo.get_module(), args.out, {**metadata, "iterations": iteration})
-    finally:
-        algo.stop()
-        torch.set_num_threads(threads)
-    print(f"saved {args.out} after {iteration} iterations", flush=True)
+
+    def saved(iteration: int, module: object, point: dict[str, float]) -> None:
+        curve.append(point)
+        print(json.dumps(point), flush=True)
+        if iteration % args.save_every == 0:
+            save_policy(module, args.out, {**metadata, "iterations": iteration})
+
+    module, _ = pretrain(
+        config,
+        pool,
+        args.seed,
+        iterations=args.iterations,
+        minutes=args.minutes,
+        init=None if args.init is None else load_policy(args.init),
+        on_iteration=saved,
+        between_iterations=_wait_while_quiet,
+    )
+    save_policy(module, args.out, {**metadata, "iterations": len(curve)})
+    print(f"saved {args.out} after {len(curve)} iterations", flush=True)
     return 0
+
+
+def _tune(args: argparse.Namespace, command: str) -> int:
+    from heterps_ray.experiments.tune import tune_policy
+
+    result = tune_policy(
+        num_samples=args.samples,
+        env_steps=args.env_steps,
+        pool_size=args.pool,
+        validation=args.validation,
+        seed=args.seed,
+        layers=_int_range(args.layers),
+        types=_int_range(args.types),
+        storage_path=args.tune_storage,
+        between_iterations=_wait_while_quiet,
+    )
+    print(result.table.to_string())
+    print("best:", json.dumps(result.best_config))
+    args.tune_output.parent.mkdir(parents=True, exist_ok=True)
+    args.tune_output.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "best_config": result.best_config,
+                "trials": json.loads(result.table.to_json(orient="records")),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return 0
+
+
+def _score(directories: list[Path], count: int, layers: tuple[int, int], types: tuple[int, int]) -> int:
+    from heterps_ray.scheduling import get_scheduler
+    from heterps_ray.scheduling.rl.pretrain import policy_only_score, validation_problems
+
+    problems = validation_problems(count, layers, types)
+    plans = {p.name: get_scheduler("exact").schedule(p) for p in problems}
+    exact = {name: float(plan.cost) if plan.feasible else None for name, plan in plans.items()}
+    for directory in directories:
+        print(
+            json.dumps(
+                {"policy": str(directory), **policy_only_score(load_policy(directory), problems, exact)}
+            )
+        )
+    return 0
+
+
+def _plot_curve(policy_dir: Path, png: Path) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from heterps_ray.scheduling.rl.policy import policy_metadata
+
+    meta = policy_metadata(policy_dir)
+    curve = meta["curve"]
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.plot([p["env_steps"] / 1e3 for p in curve], [p["episode_return_mean"] for p in curve], lw=1)
+    axis.set_xlabel("env steps (layer decisions), thousands")
+    axis.set_ylabel("mean episode return\nlog(reference cost / plan cost)")
+    axis.set_title(f"{meta['command']}", fontsize=7)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=120)
+    print(f"wrote {png}")
+    return 0
+
+
+def _wait_while_quiet() -> None:
+    # Another engineer's measurement needs the shared machine quiet; wait between iterations.
+    while QUIET_FLAG.exists():
+        time.sleep(10)
 
 
 def _int_range(text: str) -> tuple[int, int]:

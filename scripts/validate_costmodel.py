@@ -55,6 +55,13 @@ def main() -> None:
         "--problem", type=Path, default=None, help="reuse a profiled problem (skip profiling)"
     )
     parser.add_argument(
+        "--measured",
+        type=Path,
+        default=None,
+        help="results.json of an earlier run: predict its measured runs again (with --problem, or the "
+        "problem it names), without running anything",
+    )
+    parser.add_argument(
         "--rows", type=int, default=200_000, help="synthetic dataset rows (2 train partitions)"
     )
     parser.add_argument("--batches-per-worker", type=int, default=ROWS_PER_CHUNK // 512)
@@ -66,17 +73,17 @@ def main() -> None:
         help="profile again right before each plan (a shared machine's load drifts between profile and run)",
     )
     args = parser.parse_args()
+    if args.measured is not None:
+        _repredict(args.measured, args.problem)
+        return
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
     import ray
 
-    from heterps_ray.config import load_job, read_yaml
-    from heterps_ray.costmodel import CostModel, load_problem
-    from heterps_ray.costmodel.simulator import simulate
-    from heterps_ray.profiling.fit import runtime_path, simulator_options, write_problem
+    from heterps_ray.config import load_job
+    from heterps_ray.profiling.fit import write_problem
     from heterps_ray.profiling.profiler import ProfileSettings, profile
     from heterps_ray.runtime.driver import train
-    from heterps_ray.scheduling import Plan
 
     data = args.output_dir / "data"
     if not (data / "meta.json").exists():
@@ -119,63 +126,116 @@ def main() -> None:
     for index, case in enumerate(cases):
         if problem_file is None or (args.profile_each and index > 0):
             problem_file = profiled(f"_{index}")
-        problem = load_problem(problem_file)
-        extras = (
-            simulator_options(read_yaml(runtime_path(problem_file)))
-            if runtime_path(problem_file).exists()
-            else {}
-        )
-        model = CostModel(problem)
-        evaluation = model.evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
-        plan = Plan.from_evaluation(problem, evaluation, "validation")
+        plan = _plan(problem_file, case)
         workers = case.replicas[0]
         steps = args.batches_per_worker * workers
         case_job = load_job(job_file, {"mode": case.mode, "runtime.micro_batches": case.micro_batches})
-        sim = simulate(
-            problem,
-            plan,
-            batches=steps,
-            micro_batches=case.micro_batches,
-            mode=case.mode,  # type: ignore[arg-type]
-            max_in_flight=case_job.runtime.max_in_flight,
-            drain_every=DRIVER_CHUNK,
-            **extras,
-        )
-        load.append(os.getloadavg()[0])
+        load_before = os.getloadavg()[0]
+        load.append(load_before)
         summary = train(case_job, plan, steps=steps, progress=False, save=False)
-        measured = summary.throughput
         row = {
             "case": case.name,
-            "stages": " → ".join(f"{_span(s.layers)} on {s.type} ×{s.replicas}" for s in plan.stages),
+            "assignment": list(case.assignment),
+            "replicas": list(case.replicas),
+            "ps_shards": case.ps_shards,
             "mode": case.mode,
             "micro_batches": case.micro_batches,
+            "max_in_flight": case_job.runtime.max_in_flight,
             "batches": steps,
-            "measured": measured,
-            "analytic": evaluation.throughput,
-            "simulator": sim.throughput,
-            "analytic_error": evaluation.throughput / measured - 1.0,
-            "simulator_error": sim.throughput / measured - 1.0,
+            "measured": summary.throughput,
             "measured_busy": [s["busy"] for s in summary.stages],
-            "simulated_busy": sim.utilisation,
-            "load_average": os.getloadavg()[0],
+            "chunks": summary.extra.get("chunks"),
+            "data_wait_s": summary.extra.get("data_wait_s"),
+            "load_average": [load_before, os.getloadavg()[0]],
             "problem": str(problem_file),
         }
+        row.update(_predict(problem_file, row))
         rows.append(row)
-        print(
-            f"{case.name:<34} measured {measured:8,.0f}  analytic {evaluation.throughput:8,.0f} "
-            f"({row['analytic_error']:+.0%})  simulator {sim.throughput:8,.0f} ({row['simulator_error']:+.0%})  "
-            f"busy measured {_pct(row['measured_busy'])} simulated {_pct(sim.utilisation)}",
-            flush=True,
-        )
+        _print_row(row)
     ray.shutdown()
-    table = _markdown(rows)
-    (args.output_dir / "results.json").write_text(
-        json.dumps({"problem": str(problem_file), "rows": rows}, indent=2)
+    load.append(os.getloadavg()[0])
+    _write(args.output_dir, rows, str(problem_file), load)
+    print(f"1-min load average during the runs: {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} CPUs")
+
+
+def _plan(problem_file: Path, case: Any) -> Any:
+    """The plan of a case, priced by the analytic model of the problem."""
+    from heterps_ray.costmodel import CostModel, load_problem
+    from heterps_ray.scheduling import Plan
+
+    problem = load_problem(problem_file)
+    evaluation = CostModel(problem).evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
+    return Plan.from_evaluation(problem, evaluation, "validation")
+
+
+def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Analytic and simulated throughput of a measured run (a row of results.json) on a problem file."""
+    from heterps_ray.config import read_yaml
+    from heterps_ray.costmodel import CostModel, load_problem
+    from heterps_ray.costmodel.simulator import simulate
+    from heterps_ray.profiling.fit import runtime_path, simulator_options
+
+    problem = load_problem(problem_file)
+    path_extras = runtime_path(problem_file)
+    extras = simulator_options(read_yaml(path_extras)) if path_extras.exists() else {}
+    case = Case(row["case"], tuple(row["assignment"]), tuple(row["replicas"]), row["mode"], row["micro_batches"],
+                row["ps_shards"])  # fmt: skip
+    evaluation = CostModel(problem).evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
+    plan = _plan(problem_file, case)
+    sim = simulate(
+        problem,
+        plan,
+        batches=row["batches"],
+        micro_batches=case.micro_batches,
+        mode=case.mode,  # type: ignore[arg-type]
+        max_in_flight=row["max_in_flight"],
+        drain_every=DRIVER_CHUNK,
+        **extras,
     )
-    (args.output_dir / "table.md").write_text(table)
+    measured = row["measured"]
+    return {
+        "stages": " → ".join(f"{_span(s.layers)} on {s.type} ×{s.replicas}" for s in plan.stages),
+        "analytic": evaluation.throughput,
+        "simulator": sim.throughput,
+        "analytic_error": evaluation.throughput / measured - 1.0,
+        "simulator_error": sim.throughput / measured - 1.0,
+        "simulated_busy": sim.utilisation,
+        "host_sharing": problem.hosts is not None,
+    }
+
+
+def _repredict(measured: Path, problem: Path | None) -> None:
+    """Predict the runs saved in `measured` again (the model changed, or another problem file)."""
+    saved = json.loads(measured.read_text())
+    problem_file = problem or Path(saved["problem"])
+    if not problem_file.is_absolute() and not problem_file.exists():
+        problem_file = measured.parent / problem_file
+    rows = []
+    for row in saved["rows"]:
+        row = {**row, **_predict(problem_file, row), "problem": str(problem_file)}
+        rows.append(row)
+        _print_row(row)
+    print()
+    print(_markdown(rows))
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(
+        f"{row['case']:<34} measured {row['measured']:8,.0f}  analytic {row['analytic']:8,.0f} "
+        f"({row['analytic_error']:+.0%})  simulator {row['simulator']:8,.0f} ({row['simulator_error']:+.0%})  "
+        f"busy measured {_pct(row['measured_busy'])} simulated {_pct(row['simulated_busy'])}",
+        flush=True,
+    )
+
+
+def _write(output_dir: Path, rows: list[dict[str, Any]], problem_file: str, load: list[float]) -> None:
+    table = _markdown(rows)
+    (output_dir / "results.json").write_text(
+        json.dumps({"problem": problem_file, "load_average": load, "rows": rows}, indent=2)
+    )
+    (output_dir / "table.md").write_text(table)
     print()
     print(table)
-    print(f"1-min load average during the runs: {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} CPUs")
 
 
 def _span(layers: tuple[str, ...]) -> str:
@@ -188,12 +248,14 @@ def _pct(values: list[float]) -> str:
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| plan | mode | K | measured (samples/s) | analytic | error | simulator | error | busy measured | busy simulated |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| plan | mode | K | load | measured (samples/s) | analytic | error | simulator | error | busy measured | busy simulated |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
+        load = r["load_average"]
+        load_text = "–".join(f"{x:.1f}" for x in load) if isinstance(load, list) else f"{load:.1f}"
         lines.append(
-            f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {r['measured']:,.0f} | {r['analytic']:,.0f} | "
+            f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {load_text} | {r['measured']:,.0f} | {r['analytic']:,.0f} | "
             f"{r['analytic_error']:+.0%} | {r['simulator']:,.0f} | {r['simulator_error']:+.0%} | "
             f"{_pct(r['measured_busy'])} | {_pct(r['simulated_busy'])} |"
         )

@@ -3,6 +3,7 @@ result is a valid problem file with every layer on both local types, plus the ra
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -74,9 +75,26 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     assert problem.layers[0].sparse_rows_per_sample == spec.num_slots
     assert problem.input_bytes_per_sample == spec.input_bytes_per_sample
     assert "cpu_small: cpu x1 threads" in problem.notes and "cpu_big: cpu x2 threads" in problem.notes
+    # Both local types run on this one machine: a shared host with its cores and measured background.
+    assert [r.threads for r in problem.resources] == [1, 2]
+    assert problem.hosts is not None and len(problem.hosts) == 1
+    host = problem.hosts[0]
+    assert set(host.types) == {"cpu_small", "cpu_big"}
+    assert host.cores == len(os.sched_getaffinity(0))
+    assert 0.0 <= host.background_cores < host.cores
+    assert host.call_cpu_ms is not None and host.call_cpu_ms >= 0.0  # Ray's own CPU per actor call
 
     raw = pd.read_parquet(tmp_path / "problem.measurements.parquet")
-    assert set(raw["kind"]) == {"layer", "layer_pair", "transfer", "ps", "ps_dense", "input"}
+    assert set(raw["kind"]) == {
+        "layer",
+        "layer_pair",
+        "transfer",
+        "ps",
+        "ps_dense",
+        "input",
+        "host",
+        "call_cpu",
+    }
     layers = raw[raw["kind"] == "layer"]
     assert len(layers) == 2 * spec.num_layers * 3 * 2  # types x layers x batch sizes x repeats (quick: 2)
     assert (layers["forward_ms"] > 0).all() and (layers["backward_ms"] > 0).all()

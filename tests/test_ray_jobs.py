@@ -14,6 +14,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -60,6 +62,25 @@ def _processes_of(ray_tmp: str) -> list[psutil.Process]:
     return found
 
 
+def _check_token_required_and_loopback(dashboard_port: int) -> None:
+    """Safe defaults on the real cluster: the job API refuses a request without the cluster's token
+    (and takes one with it), and the dashboard listens on 127.0.0.1 only."""
+    url = f"http://127.0.0.1:{dashboard_port}/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=30)
+    assert refused.value.code == 401, refused.value.read()
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as accepted:
+        assert accepted.status == 200
+    listening = {
+        c.laddr.ip
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == dashboard_port
+    }
+    assert listening == {"127.0.0.1"}, listening
+
+
 def _write_job(folder: Path) -> Path:
     """A tiny quickstart-like job: ctr_dnn on 20k synthetic rows, the local two-CPU-type cluster."""
     job = {
@@ -95,6 +116,7 @@ def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
         started = _cluster_sh(env, "start", "configs/clusters/local.yaml", timeout=180)
         assert started.returncode == 0, started.stdout + started.stderr
         assert "cpu_small" in started.stdout and "cpu_big" in started.stdout
+        _check_token_required_and_loopback(dashboard_port)
 
         submit_args = (
             "submit",

@@ -66,10 +66,28 @@ def _plan(problem, assignment, replicas, shards=1):
 def test_one_replica_per_stage_unbounded_matches_the_analytic_bottleneck(assignment):
     problem = _problem()
     plan, analytic = _plan(problem, assignment, [1] * len(CostModel(problem).split_stages(assignment)))
-    result = simulate(problem, plan, batches=200, mode="async", max_in_flight=None, ps_limit=False)
+    # DESIGN.md §3 charges a message's latency to both actors: so does the simulator when told to
+    result = simulate(
+        problem, plan, batches=200, mode="async", max_in_flight=None, ps_limit=False, latency_in_flight=False
+    )
     assert result.throughput == pytest.approx(analytic.throughput, rel=0.02)
     bottleneck = int(np.argmin([s.throughput for s in analytic.stages]))
     assert result.utilisation[bottleneck] == pytest.approx(1.0, abs=0.03)
+    # by default the latency is spent in flight: the pipeline is at least as fast, the bottleneck as busy
+    in_flight = simulate(problem, plan, batches=200, mode="async", max_in_flight=None, ps_limit=False)
+    assert in_flight.throughput >= result.throughput * 0.999
+    assert in_flight.utilisation[bottleneck] == pytest.approx(1.0, abs=0.03)
+
+
+def test_latency_in_flight_delays_a_sync_batch_but_occupies_no_actor():
+    problem = _problem()
+    plan, _ = _plan(problem, ["a", "b", "b"], [1, 1])
+    busy = simulate(problem, plan, batches=20, mode="sync", latency_in_flight=False)
+    flight = simulate(problem, plan, batches=20, mode="sync")
+    # one batch at a time: the chain is as long either way (each message's two latencies)
+    assert flight.makespan_ms == pytest.approx(busy.makespan_ms, rel=1e-6)
+    # ... but the actors are busy for less of it
+    assert flight.utilisation[1] < busy.utilisation[1]
 
 
 def test_replicas_scale_as_amdahl_says():

@@ -181,7 +181,7 @@ class CostModel:
         self.ps_min_shards = problem.ps.min_shards
         self.ps_rows_per_second = problem.ps_rows_per_second  # rows/s per shard
         self.rows_per_sample = float(sum(layer.sparse_rows_per_sample for layer in problem.layers))
-        self._compute_safe = np.where(self.runnable, self.compute_ms, 0.0)
+        self.compute_safe = np.where(self.runnable, self.compute_ms, 0.0)
 
     # -- stages --------------------------------------------------------------------------------
 
@@ -234,9 +234,9 @@ class CostModel:
         """
         L, T = self.num_layers, self.num_types
         zero = np.zeros((1, T))
-        pre_c = np.concatenate([zero, np.cumsum(self._compute_safe, axis=0)])  # [L+1, T]
+        pre_c = np.concatenate([zero, np.cumsum(self.compute_safe, axis=0)])  # [L+1, T]
         pre_cp = np.concatenate(
-            [zero, np.cumsum(self._compute_safe * self.parallel_fraction[:, None], axis=0)]
+            [zero, np.cumsum(self.compute_safe * self.parallel_fraction[:, None], axis=0)]
         )
         pre_bad = np.concatenate([np.zeros((1, T), int), np.cumsum(~self.runnable, axis=0)])
         i, j = np.arange(L)[:, None], np.arange(L)[None, :]
@@ -314,7 +314,7 @@ class CostModel:
         layer = np.arange(L)
 
         runnable_lt = self.runnable[layer, a]  # [P, L]
-        c = self._compute_safe[layer, a]
+        c = self.compute_safe[layer, a]
         start = np.ones((P, L), dtype=bool)
         start[:, 1:] = a[:, 1:] != a[:, :-1]
         end = np.ones((P, L), dtype=bool)

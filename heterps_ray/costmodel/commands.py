@@ -36,6 +36,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeline", type=Path, default=None, help="write the per-call timeline (CSV)")
     p.add_argument("--queues", type=Path, default=None, help="write queue depths over time (CSV)")
     p.add_argument("--no-extras", action="store_true", help="ignore <problem>.runtime.yaml")
+    p.add_argument(
+        "--no-host-sharing",
+        action="store_true",
+        help="ignore the problem's `hosts` (every actor on cores of its own)",
+    )
     p.set_defaults(func=_simulate)
 
 
@@ -64,6 +69,7 @@ def _simulate(args: argparse.Namespace) -> int:
         mode=args.mode,
         max_in_flight=args.max_in_flight,
         drain_every=args.drain_every or None,
+        host_sharing=not args.no_host_sharing,
         **options,
     )
     assignment = [stage["type"] for stage in plan["stages"] for _ in stage["layers"]]
@@ -79,6 +85,11 @@ def _simulate(args: argparse.Namespace) -> int:
     print(
         f"throughput: simulator {result.throughput:,.0f} samples/s | analytic model {analytic.throughput:,.0f} samples/s"
     )
+    for host in [] if args.no_host_sharing else problem.hosts or ():
+        print(
+            f"host {host.name}: {host.cores:g} cores shared by {', '.join(host.types)} "
+            f"({host.background_cores:g} taken by background load); busy actors share them by their threads"
+        )
     header = f"{'stage':<6} {'type':<12} {'replicas':>8} {'utilisation':>11} {'mean queue':>10} {'max queue':>9} {'analytic (samples/s)':>21}"
     print(header)
     print("-" * len(header))

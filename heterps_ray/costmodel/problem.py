@@ -39,6 +39,9 @@ class Resource(BaseModel):
     )
     latency_ms: float = Field(0.0, ge=0, description="per message, ms")
     device: str | None = Field(None, description="informational: cpu or cuda")
+    threads: int | None = Field(
+        None, ge=1, description="cores a busy actor of this type keeps busy (torch threads; default 1)"
+    )
 
     @property
     def io_gbps(self) -> float:
@@ -53,6 +56,27 @@ class PSTier(BaseModel):
     resource: str | None = Field(None, description="resource type of the shards (default: the first)")
     rows_per_second_per_shard: float | None = Field(None, gt=0, description="sparse rows/s one shard serves")
     min_shards: int = Field(1, ge=1, description="shards needed to hold the tables in memory")
+
+
+class Host(BaseModel):
+    """Machines whose cores the actors of several resource types share (the local cluster: every
+    type on one machine). Busy actors there share `cores` in proportion to their threads (simulator
+    only; the analytic model of DESIGN.md §3 treats types as separate machines)."""
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=_NAME)
+    cores: float = Field(gt=0, description="CPU cores of the machine")
+    types: tuple[str, ...] = Field(min_length=1, description="resource types whose actors run on it")
+    background_cores: float = Field(
+        0.0, ge=0, description="cores taken all the time by other processes (Ray's own daemons)"
+    )
+    call_cpu_ms: float | None = Field(
+        None,
+        ge=0,
+        description="CPU ms Ray's own processes (raylet, object store) spend on it per actor call "
+        "(default: the latency of the callee's type, both ends)",
+    )
 
 
 class LayerTime(BaseModel):
@@ -87,6 +111,9 @@ class Problem(BaseModel):
     resources: tuple[Resource, ...] = Field(min_length=1)
     ps: PSTier = Field(default_factory=lambda: PSTier.model_validate({}))
     layers: tuple[Layer, ...] = Field(min_length=1)
+    hosts: tuple[Host, ...] | None = Field(
+        None, description="shared machines (absent: every actor has its own cores)"
+    )
     notes: str | None = None
 
     @model_validator(mode="after")
@@ -117,6 +144,26 @@ class Problem(BaseModel):
                     raise ConfigError(
                         file, f"layers.{i}.time_ms.{type_name}", f"a resource type, one of {names}", type_name
                     )
+        seen: dict[str, str] = {}
+        for i, host in enumerate(self.hosts or ()):
+            if host.background_cores >= host.cores:
+                raise ConfigError(
+                    file,
+                    f"hosts.{i}.background_cores",
+                    f"fewer than its cores ({host.cores})",
+                    host.background_cores,
+                )
+            for type_name in host.types:
+                if type_name not in names:
+                    raise ConfigError(file, f"hosts.{i}.types", f"resource types, of {names}", type_name)
+                if type_name in seen:
+                    raise ConfigError(
+                        file,
+                        f"hosts.{i}.types",
+                        f"each type on one host (also on {seen[type_name]!r})",
+                        type_name,
+                    )
+                seen[type_name] = host.name
         return self
 
     # -- lookups -------------------------------------------------------------------------------
@@ -146,6 +193,13 @@ class Problem(BaseModel):
         """Rows/s per shard; unlimited (inf) when the file gives none."""
         rate = self.ps.rows_per_second_per_shard
         return math.inf if rate is None else rate
+
+    def host_of(self, type_name: str) -> Host | None:
+        """The shared machine a type's actors run on, or None (cores of their own)."""
+        for host in self.hosts or ():
+            if type_name in host.types:
+                return host
+        return None
 
     def resource(self, name: str) -> Resource:
         for r in self.resources:

@@ -17,10 +17,17 @@ Where the analytic model (DESIGN.md §3) takes the slowest stage, this plays the
   backward of a stage also pushes its dense gradients to a PS shard (waiting for the previous push).
 
 Times come from the problem: a layer takes ``fixed + per_sample · b`` ms at micro-batch size ``b``
-(split forward/backward by `forward_fraction`); each side of a boundary spends ``bytes / bandwidth +
-latency`` per message; a DataWorker reads ``input_bytes_per_sample · B`` at its io bandwidth per
-batch. With ``n`` replicas of a stage busy at once a call takes ``1 + (n-1)(1-α)`` times longer:
-Amdahl's law of DESIGN.md §3 when all replicas are busy.
+(split forward/backward by `forward_fraction`); each side of a boundary spends ``bytes / bandwidth``
+per message, and the message's latency (both ends) passes in flight before the call it feeds can start
+(``latency_in_flight=False``: spent on both actors instead, as DESIGN.md §3 charges it); a DataWorker
+reads ``input_bytes_per_sample · B`` at its io bandwidth per batch. With ``n`` replicas of a stage busy
+at once a call takes ``1 + (n-1)(1-α)`` times longer: Amdahl's law of DESIGN.md §3 when all replicas
+are busy.
+
+Shared hosts (the problem's optional ``hosts``): every busy actor, PS request and Ray call on a host is
+a job weighted by the threads it keeps busy (Ray's own work per call, ``call_cpu_ms``: weight 1); while
+the weights exceed the host's free cores (``cores - background_cores``) every job progresses at
+free cores / total weight of its solo speed (processor sharing), and the Amdahl stretch is not applied.
 
 Example::
 
@@ -35,7 +42,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -63,6 +70,10 @@ class StageModel:
     input_ms: float = 0.0  # first stage: reading one micro-batch worth of input
     parallel_fraction: float = 1.0
     dense_push_ms: float = 0.0  # async: PS service time of one push of this stage's dense gradients
+    threads: int = 1  # cores a busy replica keeps busy (its weight on a shared host)
+    host: int | None = None  # index of the shared host it runs on (None: cores of its own)
+    call_cpu_ms: float = 0.0  # shared host: CPU of Ray's own processes per call on a replica
+    in_flight_ms: float = 0.0  # a message's latency at this end, spent in flight (not on the actor)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,9 @@ class PSModel:
     rows_per_second_per_shard: float  # of pull + push together, as the problem file gives it
     pull_share: float = 0.5  # fraction of a row's service time spent on its pull
     push_client_share: float = 0.0  # fraction of a push done by the DataWorker itself (summing gradients)
+    threads: int = 1
+    host: int | None = None  # shared host of the PS type
+    call_cpu_ms: float = 0.0  # shared host: CPU of Ray's own processes per request to a shard
 
     def service_ms(self, rows: float, pull: bool) -> float:
         """One shard's time for its part (1/shards) of a request of `rows` rows."""
@@ -136,6 +150,8 @@ def simulate(
     dense_params: Mapping[str, int] | None = None,
     startup_ms: float = 0.0,
     drain_every: int | None = None,
+    host_sharing: bool = True,
+    latency_in_flight: bool = True,
 ) -> SimResult:
     """Simulate `plan` (a Plan or its JSON mapping) on `problem` for `batches` batches.
 
@@ -144,12 +160,28 @@ def simulate(
     pull's share of PS time, the share of a push done by the DataWorker itself, async dense pushes
     (`dense_ms_per_param` x `dense_params` per layer name), a DataWorker's one-time start-up before
     its first batch, and `drain_every` (the runtime's driver drains the pipeline every 20 batches).
+    With `host_sharing` (the default) the problem's `hosts` are modelled: actors on one host share
+    its cores; False treats every actor as a machine of its own. With `latency_in_flight` (the
+    default) a message's latency delays it without occupying either actor (Ray moves it while the
+    actors compute); False charges it to both actors' time, as DESIGN.md §3 does.
     """
     stages, ps = pipeline_model(
-        problem, plan, micro_batches, forward_fraction, dense_ms_per_param, dense_params or {}
+        problem,
+        plan,
+        micro_batches,
+        forward_fraction,
+        dense_ms_per_param,
+        dense_params or {},
+        latency_in_flight,
     )
     rate = ps.rows_per_second_per_shard if ps_limit else math.inf
-    ps = PSModel(ps.shards, ps.rows, rate, pull_share, push_client_share)
+    ps = replace(
+        ps, rows_per_second_per_shard=rate, pull_share=pull_share, push_client_share=push_client_share
+    )
+    hosts = [(h.cores, h.background_cores) for h in problem.hosts or ()] if host_sharing else []
+    if not host_sharing:
+        stages = [replace(st, host=None) for st in stages]
+        ps = replace(ps, host=None)
     return simulate_pipeline(
         stages,
         ps,
@@ -160,6 +192,7 @@ def simulate(
         max_in_flight=max_in_flight,
         startup_ms=startup_ms,
         drain_every=drain_every,
+        hosts=hosts,
     )
 
 
@@ -170,8 +203,10 @@ def pipeline_model(
     forward_fraction: float = 1.0 / 3.0,
     dense_ms_per_param: float = 0.0,
     dense_params: Mapping[str, int] | None = None,
+    latency_in_flight: bool = False,
 ) -> tuple[list[StageModel], PSModel]:
-    """Per-micro-batch stage times and the PS tier of `plan` on `problem`, in DESIGN.md §3 terms."""
+    """Per-micro-batch stage times and the PS tier of `plan` on `problem`, in DESIGN.md §3 terms;
+    with `latency_in_flight` a message's latency delays it instead of occupying the actors."""
     plan_map = _plan_mapping(plan)
     b = problem.batch_size / micro_batches
     layers = problem.layers
@@ -184,7 +219,7 @@ def pipeline_model(
     def message_ms(layer: int, rtype: Resource) -> float:
         """One side of one message (activation or gradient) after `layer`, at micro-batch size b."""
         wire_ms = layers[layer].out_bytes_per_sample * b / (rtype.bandwidth_gbps * _BYTES_PER_MS_PER_GBPS)
-        return wire_ms + rtype.latency_ms
+        return wire_ms + (0.0 if latency_in_flight else rtype.latency_ms)
 
     stages = []
     for s, raw in enumerate(raw_stages):
@@ -213,11 +248,24 @@ def pipeline_model(
                 input_ms=input_ms,
                 parallel_fraction=alpha,
                 dense_push_ms=stage_params * dense_ms_per_param,
+                threads=rtype.threads or 1,
+                host=_host_index(problem, rtype.name),
+                call_cpu_ms=_call_cpu_ms(problem, rtype),
+                in_flight_ms=rtype.latency_ms if latency_in_flight else 0.0,
             )
         )
     rows = b * sum(layer.sparse_rows_per_sample for layer in layers)
     shards = int(plan_map.get("ps_shards") or problem.ps.min_shards)
-    return stages, PSModel(shards=shards, rows=rows, rows_per_second_per_shard=problem.ps_rows_per_second)
+    ps_type = problem.resource(problem.ps_resource)
+    ps = PSModel(
+        shards=shards,
+        rows=rows,
+        rows_per_second_per_shard=problem.ps_rows_per_second,
+        threads=ps_type.threads or 1,
+        host=_host_index(problem, ps_type.name),
+        call_cpu_ms=_call_cpu_ms(problem, ps_type),
+    )
+    return stages, ps
 
 
 def simulate_pipeline(
@@ -231,14 +279,16 @@ def simulate_pipeline(
     max_in_flight: int | None = 4,
     startup_ms: float = 0.0,
     drain_every: int | None = None,
+    hosts: Sequence[tuple[float, float]] = (),
 ) -> SimResult:
-    """Run the event simulation of `batches` batches (over all DataWorkers) through `stages`."""
+    """Run the event simulation of `batches` batches (over all DataWorkers) through `stages`;
+    `hosts` are (cores, background cores) of the shared machines the stages' `host` index."""
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async' (got {mode!r})")
     if batches < 1 or micro_batches < 1:
         raise ValueError("batches and micro_batches must be >= 1")
     sim = _Simulation(
-        list(stages), ps, batch_size, micro_batches, mode, max_in_flight, startup_ms, drain_every
+        list(stages), ps, batch_size, micro_batches, mode, max_in_flight, startup_ms, drain_every, hosts
     )
     sim.run(batches)
     return sim.result()
@@ -253,11 +303,12 @@ _Process = Generator[Any, None, None]
 class _Event:
     """Something that happens once (a call's result, a PS request served); callbacks run then."""
 
-    __slots__ = ("done", "callbacks")
+    __slots__ = ("done", "callbacks", "time")
 
     def __init__(self) -> None:
         self.done = False
         self.callbacks: list[Callable[[], None]] = []
+        self.time = 0.0  # when it happened (once done)
 
 
 class _Engine:
@@ -271,9 +322,23 @@ class _Engine:
 
     def trigger(self, event: _Event) -> None:
         event.done = True
+        event.time = self.now
         callbacks, event.callbacks = event.callbacks, []
         for cb in callbacks:
             self.at(self.now, cb)
+
+    def after(self, event: _Event | None, delay: float) -> _Event | None:
+        """An event `delay` ms after `event` happens (after now when `event` is None)."""
+        if delay <= 0:
+            return event
+        later = _Event()
+        if event is None:
+            self.at(self.now + delay, lambda: self.trigger(later))
+        elif event.done:
+            self.at(max(self.now, event.time + delay), lambda: self.trigger(later))
+        else:
+            event.callbacks.append(lambda: self.at(self.now + delay, lambda: self.trigger(later)))
+        return later
 
     def event_at(self, time: float) -> _Event:
         event = _Event()
@@ -302,6 +367,53 @@ class _Engine:
             action()
 
 
+class _SharedHost:
+    """Processor sharing of one machine's cores: each running job has a weight (the threads its
+    actor keeps busy); while the weights add up to more than the free cores (`cores` less the
+    `background`), every job progresses at free cores / total weight of its solo speed."""
+
+    def __init__(self, engine: _Engine, cores: float, background: float):
+        self.engine = engine
+        self.free = max(cores - background, 1e-6)
+        self.jobs: dict[int, list[Any]] = {}  # id -> [remaining solo ms, weight, done event]
+        self._ids = itertools.count()
+        self._last = 0.0
+        self._token = 0
+
+    def rate(self) -> float:
+        weight = sum(job[1] for job in self.jobs.values())
+        return 1.0 if weight <= self.free else self.free / weight
+
+    def run(self, ms: float, weight: float) -> _Event:
+        """A job of `ms` solo milliseconds; the event fires when it is done."""
+        self._advance()
+        done = _Event()
+        self.jobs[next(self._ids)] = [ms, weight, done]
+        self._reschedule()
+        return done
+
+    def _advance(self) -> None:
+        elapsed = (self.engine.now - self._last) * self.rate()
+        for job in self.jobs.values():
+            job[0] -= elapsed
+        self._last = self.engine.now
+
+    def _reschedule(self) -> None:
+        self._token += 1
+        if self.jobs:
+            token = self._token
+            first = min(job[0] for job in self.jobs.values())
+            self.engine.at(self.engine.now + max(first, 0.0) / self.rate(), lambda: self._finish(token))
+
+    def _finish(self, token: int) -> None:
+        if token != self._token:  # the set of jobs changed since this was scheduled
+            return
+        self._advance()
+        for key in [k for k, job in self.jobs.items() if job[0] <= 1e-9]:
+            self.engine.trigger(self.jobs.pop(key)[2])
+        self._reschedule()
+
+
 @dataclass
 class _Call:
     """One actor call on a StageWorker: waits for `needs`, then takes `ms`, then fires `out`."""
@@ -324,6 +436,7 @@ class _Micro:
     micro: int
     route: list[int]
     grad: _Event | None = None
+    grad_from: int = 0  # the stage that sends `grad`
 
 
 class _Simulation:
@@ -337,6 +450,7 @@ class _Simulation:
         max_in_flight: int | None,
         startup_ms: float,
         drain_every: int | None,
+        hosts: Sequence[tuple[float, float]] = (),
     ):
         self.stages, self.ps, self.mode = stages, ps, mode
         self.startup_ms, self.drain_every = startup_ms, drain_every
@@ -347,7 +461,12 @@ class _Simulation:
         self.n = len(stages)
         self.busy_count = [0] * self.n  # replicas of each stage computing right now
         self.busy_ms = [0.0] * self.n
-        self.shard_free = [0.0] * max(ps.shards, 1)
+        self.hosts = [_SharedHost(self.engine, cores, background) for cores, background in hosts]
+        self.shard_queue: list[deque[tuple[float, str, int, int, _Event]]] = [
+            deque() for _ in range(max(ps.shards, 1))
+        ]
+        self.shard_idle = [True] * len(self.shard_queue)
+        self.shard_wake = [_Event() for _ in self.shard_queue]
         self.shard_busy_ms = 0.0
         self.spans: list[tuple[float, float, int, int, str, int, int]] = []
         self.queue_log: list[tuple[float, int, int, int]] = []
@@ -364,6 +483,8 @@ class _Simulation:
     # -- running ---------------------------------------------------------------------------------
     def run(self, batches: int) -> None:
         workers = self.stages[0].replicas
+        for shard in range(len(self.shard_queue)):
+            self.engine.spawn(self._shard_server(shard))
         for s in range(1, self.n):
             for r in range(self.stages[s].replicas):
                 self.engine.spawn(self._stage_worker(s, r))
@@ -373,20 +494,35 @@ class _Simulation:
         self.engine.run()
 
     def _amdahl(self, stage: int) -> float:
+        if self.stages[stage].host is not None:  # the shared host's cores model the contention
+            return 1.0
         busy = self.busy_count[stage]  # including the caller
         return 1.0 + (busy - 1) * (1.0 - self.stages[stage].parallel_fraction)
 
+    def _cpu(self, ms: float, threads: int, host: int | None) -> _Process:
+        """Take `ms` of solo time, on a shared host as one job weighted by `threads`."""
+        if host is None:
+            yield ms
+        else:
+            yield self.hosts[host].run(ms, threads)
+
+    def _daemons(self, ms: float, host: int | None) -> None:
+        """Ray's own processes (raylet, object store) working for a call: a message's latency is
+        their CPU time, which on a shared host runs beside the actors and takes a core."""
+        if host is not None and ms > 0:
+            self.hosts[host].run(ms, 1)
+
     def _compute(self, stage: int, replica: int, ms: float, kind: str, batch: int, micro: int) -> _Process:
-        """Occupy a replica for `ms` (stretched by the replicas busy at once)."""
+        """Occupy a replica for `ms` (stretched by the replicas busy at once, or by its shared host)."""
         if ms <= 0:
             return
         self.busy_count[stage] += 1
         ms *= self._amdahl(stage)
         start = self.engine.now
-        yield ms
+        yield from self._cpu(ms, self.stages[stage].threads, self.stages[stage].host)
         self.busy_count[stage] -= 1
-        self.busy_ms[stage] += ms
-        self.spans.append((start, start + ms, stage, replica, kind, batch, micro))
+        self.busy_ms[stage] += self.engine.now - start
+        self.spans.append((start, self.engine.now, stage, replica, kind, batch, micro))
 
     # -- the PS ----------------------------------------------------------------------------------
     def _ps(self, rows: float, pull: bool, batch: int, micro: int) -> _Event:
@@ -396,24 +532,60 @@ class _Simulation:
             done.done = True
             return done
         part = self.ps.service_ms(rows, pull)
-        now, end = self.engine.now, self.engine.now
-        for shard in range(len(self.shard_free)):
-            start = max(now, self.shard_free[shard])
-            self.shard_free[shard] = start + part
-            self.shard_busy_ms += part
-            end = max(end, start + part)
-            self.spans.append((start, start + part, -1, shard, "pull" if pull else "push", batch, micro))
-        return self.engine.event_at(end)
+        parts = [
+            self._enqueue(shard, part, "pull" if pull else "push", batch, micro)
+            for shard in range(len(self.shard_queue))
+        ]
+        return self._all(parts)
 
     def _dense_push(self, stage: int, batch: int, micro: int) -> _Event:
         """Async: one optimizer step of a stage's dense table on its PS shard (stage mod shards)."""
-        ms = self.stages[stage].dense_push_ms
-        shard = stage % len(self.shard_free)
-        start = max(self.engine.now, self.shard_free[shard])
-        self.shard_free[shard] = start + ms
-        self.shard_busy_ms += ms
-        self.spans.append((start, start + ms, -1, shard, f"dense{stage}", batch, micro))
-        return self.engine.event_at(start + ms)
+        shard = stage % len(self.shard_queue)
+        return self._enqueue(shard, self.stages[stage].dense_push_ms, f"dense{stage}", batch, micro)
+
+    def _enqueue(self, shard: int, ms: float, kind: str, batch: int, micro: int) -> _Event:
+        done = _Event()
+        self.shard_queue[shard].append((ms, kind, batch, micro, done))
+        if self.shard_idle[shard] and not self.shard_wake[shard].done:
+            self.engine.trigger(self.shard_wake[shard])
+        return done
+
+    def _all(self, events: list[_Event]) -> _Event:
+        """An event that fires when every one of `events` has."""
+        done = _Event()
+        waiting = [e for e in events if not e.done]
+        if not waiting:
+            done.done = True
+            return done
+        left = [len(waiting)]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.engine.trigger(done)
+
+        for e in waiting:
+            e.callbacks.append(one_done)
+        return done
+
+    def _shard_server(self, shard: int) -> _Process:
+        """One PS shard: requests in arrival order, one at a time."""
+        queue = self.shard_queue[shard]
+        while True:
+            if not queue:
+                self.shard_idle[shard] = True
+                self.shard_wake[shard] = _Event()
+                yield self.shard_wake[shard]
+                continue
+            self.shard_idle[shard] = False
+            ms, kind, batch, micro, done = queue.popleft()
+            self._daemons(self.ps.call_cpu_ms, self.ps.host)
+            start = self.engine.now
+            if ms > 0:
+                yield from self._cpu(ms, self.ps.threads, self.ps.host)
+            self.shard_busy_ms += self.engine.now - start
+            self.spans.append((start, self.engine.now, -1, shard, kind, batch, micro))
+            self.engine.trigger(done)
 
     # -- StageWorkers ----------------------------------------------------------------------------
     def _submit(self, stage: int, replica: int, call: _Call) -> None:
@@ -449,6 +621,7 @@ class _Simulation:
                 continue
             self.idle[stage][replica] = False
             self._log(stage)
+            self._daemons(self.stages[stage].call_cpu_ms, self.stages[stage].host)
             yield from self._compute(stage, replica, call.ms, call.kind, call.batch, call.micro)
             self.engine.trigger(call.out)
             dense_ms = self.stages[stage].dense_push_ms
@@ -534,6 +707,7 @@ class _Simulation:
         )
         ready: _Event | None = None
         for s in range(1, self.n):
+            ready = self.engine.after(ready, self._flight(s - 1, s))
             st = self.stages[s]
             last = s == self.n - 1
             ms = (
@@ -549,7 +723,11 @@ class _Simulation:
                 _Call(worker, next(self._seq), kind, ms, ready, out, item.batch, item.micro),
             )
             ready = out
-        item.grad = ready
+        item.grad, item.grad_from = ready, self.n - 1
+
+    def _flight(self, a: int, b: int) -> float:
+        """Latency of a message between stages a and b: in flight, not on either actor."""
+        return self.stages[a].in_flight_ms + self.stages[b].in_flight_ms
 
     def _backward(self, worker: int, item: _Micro, bwd_q: deque[_Micro]) -> None:
         """Submit the backward calls of the middle stages, last to first (no waiting here)."""
@@ -557,25 +735,27 @@ class _Simulation:
             st = self.stages[s]
             ms = st.recv_backward_ms + st.backward_ms + st.send_backward_ms
             out = _Event()
+            needs = self.engine.after(item.grad, self._flight(item.grad_from, s))
             self._submit(
                 s,
                 item.route[s - 1],
-                _Call(worker, next(self._seq), "backward", ms, item.grad, out, item.batch, item.micro),
+                _Call(worker, next(self._seq), "backward", ms, needs, out, item.batch, item.micro),
             )
-            item.grad = out
+            item.grad, item.grad_from = out, s
         bwd_q.append(item)
 
     def _finish(self, worker: int, item: _Micro, pushes: deque[_Event]) -> _Process:
         """Wait for the gradient, run stage 0's backward, push sparse gradients (async)."""
         st0 = self.stages[0]
-        if item.grad is not None and not item.grad.done:
-            yield item.grad
+        grad = self.engine.after(item.grad, self._flight(item.grad_from, 0)) if self.n > 1 else None
+        if grad is not None and not grad.done:
+            yield grad
         if self.n > 1:
             ms = st0.recv_backward_ms + st0.backward_ms
             yield from self._compute(0, worker, ms, "backward", item.batch, item.micro)
         if not self.sync:
             yield from self._push(worker, self.ps.rows, item.batch, item.micro, pushes)
-            while len(pushes) > _SETTLE_PER_SHARD * len(self.shard_free):
+            while len(pushes) > _SETTLE_PER_SHARD * len(self.shard_queue):
                 yield pushes.popleft()
             if st0.dense_push_ms > 0:
                 yield from self._dense_update(
@@ -602,7 +782,7 @@ class _Simulation:
             self.busy_ms[s] / (self.stages[s].replicas * makespan) if makespan > 0 else 0.0
             for s in range(self.n)
         ]
-        ps_util = self.shard_busy_ms / (len(self.shard_free) * makespan) if makespan > 0 else 0.0
+        ps_util = self.shard_busy_ms / (len(self.shard_queue) * makespan) if makespan > 0 else 0.0
         spans = pd.DataFrame(
             self.spans, columns=["start_ms", "end_ms", "stage", "replica", "kind", "batch", "micro_batch"]
         ).sort_values("start_ms", kind="stable", ignore_index=True)
@@ -630,6 +810,21 @@ def _layer_index(ref: Any, names: list[str]) -> int:
     if ref not in names:
         raise ConfigError(None, "plan.stages.layers", f"layer names of the problem ({names})", ref)
     return names.index(ref)
+
+
+def _host_index(problem: Problem, type_name: str) -> int | None:
+    hosts = list(problem.hosts or ())
+    host = problem.host_of(type_name)
+    return None if host is None else hosts.index(host)
+
+
+def _call_cpu_ms(problem: Problem, rtype: Resource) -> float:
+    """CPU of Ray's own processes per call to an actor of `rtype`: measured for its host, else the
+    type's message latency at both ends."""
+    host = problem.host_of(rtype.name)
+    if host is not None and host.call_cpu_ms is not None:
+        return host.call_cpu_ms
+    return 2.0 * rtype.latency_ms
 
 
 def _layer_ms(layer: Layer, resource: str, b: float) -> float:

@@ -56,16 +56,37 @@ class Dataset:
             self._meta = json.loads(meta_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise DataError(f"{meta_path}: unreadable ({exc})") from None
+        if not isinstance(self._meta, dict):
+            raise DataError(f"{meta_path}: expected a JSON object, got {type(self._meta).__name__}")
 
     @property
     def meta(self) -> dict[str, Any]:
         return self._meta
 
     def files(self, split: str) -> list[Path]:
-        """The Parquet partitions of ``split``, sorted by name."""
+        """The Parquet partitions of ``split``, sorted by name; a DataError if one meta.json counts is gone."""
         if split not in SPLITS:
             raise DataError(f"{self.path}: unknown split {split!r} (expected one of {list(SPLITS)})")
-        return sorted((self.path / split).glob(PART_GLOB))
+        found = sorted((self.path / split).glob(PART_GLOB))
+        expected = (self._meta.get("files") or {}).get(split)
+        if isinstance(expected, int):
+            # A lost partition would otherwise train on fewer rows without a word.
+            names = {p.name for p in found}
+            missing = [n for n in (_part_name(i) for i in range(expected)) if n not in names]
+            if missing:
+                raise DataError(
+                    f"{self.path / split / missing[0]}: missing ({len(missing)} of the {expected} {split} "
+                    f"partitions {META_FILE} lists are gone: {missing[:5]})"
+                )
+        return found
+
+    def verify(self) -> Dataset:
+        """Check every partition is there and is a readable Parquet file with the raw columns (DataError
+        naming the file), so a bad part stops a job before any actor starts."""
+        for split in SPLITS:
+            for f in self.files(split):
+                _open_part(f)
+        return self
 
     def num_rows(self, split: str) -> int:
         return sum(_parquet_file(f).metadata.num_rows for f in self.files(split))
@@ -98,10 +119,7 @@ class Dataset:
 
     def _tables(self, split: str, files: list[Path] | None) -> Iterator[pa.Table]:
         for f in self.files(split) if files is None else [Path(f) for f in files]:
-            parquet = _parquet_file(f, read_dictionary=SPARSE_COLUMNS)
-            missing = [c for c in COLUMNS if c not in parquet.schema_arrow.names]
-            if missing:
-                raise DataError(f"{f}: missing columns {missing} (expected label, I1..I13, C1..C26)")
+            parquet = _open_part(f)
             for record_batch in parquet.iter_batches(batch_size=_READ_ROWS, columns=COLUMNS):
                 yield pa.Table.from_batches([record_batch])
 
@@ -116,7 +134,7 @@ def prepare_dataset(data: DataConfig, seed: int = 0) -> Dataset:
         from heterps_ray.data.synth import synthesize  # synth writes through this module
 
         synthesize(path, data.synth_rows, seed=seed)
-    return Dataset(path)
+    return Dataset(path).verify()
 
 
 class DatasetWriter:
@@ -196,7 +214,7 @@ class _PartWriter:
     def write(self, table: pa.Table) -> None:
         while table.num_rows:
             if self._writer is None:
-                path = self.folder / f"part-{self._files:05d}.parquet"
+                path = self.folder / _part_name(self._files)
                 self._writer = pq.ParquetWriter(path, RAW_SCHEMA)
                 self._files += 1
                 self._in_file = 0
@@ -243,6 +261,19 @@ def partition_files(files: list[Path], n: int, i: int) -> list[Path]:
     if n < 1 or not 0 <= i < n:
         raise ValueError(f"partition {i} of {n}: expected n >= 1 and 0 <= i < n")
     return sorted(files, key=lambda p: Path(p).name)[i::n]
+
+
+def _part_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def _open_part(path: Path) -> pq.ParquetFile:
+    """A partition opened for reading, with the raw columns checked first (pyarrow raises a bare
+    KeyError when a dictionary column is absent)."""
+    missing = [c for c in COLUMNS if c not in _parquet_file(path).schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: missing columns {missing} (expected label, I1..I13, C1..C26)")
+    return _parquet_file(path, read_dictionary=SPARSE_COLUMNS)
 
 
 def _parquet_file(path: Path, read_dictionary: list[str] | None = None) -> pq.ParquetFile:

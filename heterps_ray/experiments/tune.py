@@ -452,6 +452,159 @@ def _sweep_trial(
 
 
 # ---------------------------------------------------------------------------------------------
+# Picking the pretrained policy's hyper-parameters
+
+# What each policy-search trial reports (besides its settings).
+POLICY_METRICS = (
+    "mean_ratio",
+    "median_ratio",
+    "worst_ratio",
+    "greedy_median_ratio",
+    "missed",
+    "problems",
+    "iterations",
+    "env_steps",
+    "final_return",
+    "seconds",
+)
+
+
+def policy_search_space() -> dict[str, Any]:
+    """Pretraining settings (fields of RLConfig) the policy search samples."""
+    from ray import tune
+
+    return {
+        "lr": tune.loguniform(1e-4, 3e-3),
+        "entropy_coeff": tune.loguniform(1e-3, 3e-2),
+        "train_batch_size": tune.choice([512, 1024, 2048]),
+        "minibatch_size": tune.choice([128, 256]),
+        "num_epochs": tune.choice([4, 6, 10]),
+        "hidden": tune.choice([64, 128]),
+    }
+
+
+def tune_policy(
+    *,
+    num_samples: int = 6,
+    env_steps: int = 40_000,
+    pool_size: int = 1000,
+    validation: int = 30,
+    seed: int = 0,
+    layers: tuple[int, int] = (3, 30),
+    types: tuple[int, int] = (2, 5),
+    search_space: Mapping[str, Any] | None = None,
+    base: Any = None,
+    include_current: bool = True,
+    storage_path: str | Path = "runs/tune",
+    between_iterations: Any = None,
+    verbose: bool = False,
+) -> SweepResult:
+    """Ray Tune over the pretraining hyper-parameters; every trial pretrains a fresh policy equally long.
+
+    A trial runs ceil(env_steps / train_batch_size) PPO iterations on the training pool (`pool_size`
+    problems of `layers` x `types`, scheduling.rl.pretrain), then scores the policy alone, zero-shot,
+    on `validation` held-out problems: mean of (best of its greedy and 32 sampled plans) / exact
+    optimum, MISSED_RATIO where it misses (minimised). Trials change `base` (an RLConfig; default the
+    shipped PRETRAIN_CONFIG) by the sampled fields; `include_current` makes base the first trial.
+    One trial at a time.
+    """
+    from dataclasses import asdict
+
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    from heterps_ray.scheduling.rl import RLConfig
+    from heterps_ray.scheduling.rl.pretrain import PRETRAIN_CONFIG, training_pool, validation_problems
+
+    space = dict(search_space or policy_search_space())
+    known = {f.name for f in fields(RLConfig)}
+    unknown = sorted(set(space) - known)
+    if unknown:
+        raise ConfigError(None, "search_space", f"fields of RLConfig ({sorted(known)})", unknown)
+    held_out = validation_problems(validation, layers, types)
+    exact_costs = {p.name: _exact_cost(p) for p in held_out}
+    if all(c is None for c in exact_costs.values()):
+        raise ConfigError(
+            None, "validation", "a validation set with at least one feasible problem", validation
+        )
+    base = base or PRETRAIN_CONFIG
+    current = {k: v for k, v in asdict(base).items() if k in space}
+    trainable = tune.with_parameters(
+        _policy_trial,
+        pool=training_pool(pool_size, seed, layers, types),
+        validation=held_out,
+        exact_costs=exact_costs,
+        base=base,
+        env_steps=env_steps,
+        seed=seed,
+        between_iterations=between_iterations,
+    )
+    rows = _fit(
+        tune.with_resources(trainable, {"cpu": min(RL_CPUS, _cpus_available())}),
+        param_space=space,
+        storage_path=storage_path,
+        name="tune-policy",
+        num_samples=num_samples,
+        metric="mean_ratio",
+        search_alg=BasicVariantGenerator(
+            points_to_evaluate=[current] if include_current else None, max_concurrent=1, random_state=seed
+        ),
+        total_trials=num_samples,
+        verbose=verbose,
+    )
+    records = [
+        {**{k: _plain(config[k]) for k in space}, **{k: metrics[k] for k in POLICY_METRICS}}
+        for config, metrics in rows
+    ]
+    table = pd.DataFrame.from_records(records)
+    if include_current:
+        table.insert(0, "current", [all(r[k] == current[k] for k in space) for r in records])
+    table = table.sort_values(["mean_ratio", "median_ratio"]).reset_index(drop=True)
+    best = {k: _plain(table[k].iloc[0]) for k in space}
+    return SweepResult("rl-pretrain", table, best, float(table.iloc[0]["mean_ratio"]))
+
+
+def _exact_cost(problem: Problem) -> float | None:
+    plan = get_scheduler("exact").schedule(problem)
+    return float(plan.cost) if plan.feasible else None
+
+
+def _policy_trial(
+    config: dict[str, Any],
+    pool: list[Problem],
+    validation: list[Problem],
+    exact_costs: dict[str, float | None],
+    env_steps: int,
+    seed: int,
+    between_iterations: Any,
+    base: Any = None,
+) -> None:
+    import dataclasses
+
+    from ray import tune
+
+    from heterps_ray.scheduling.rl.pretrain import PRETRAIN_CONFIG, policy_only_score, pretrain
+
+    settings = dataclasses.replace(base or PRETRAIN_CONFIG, **config)
+    started = time.perf_counter()
+    iterations = math.ceil(env_steps / settings.train_batch_size)
+    module, curve = pretrain(
+        settings, pool, seed, iterations=iterations, between_iterations=between_iterations
+    )
+    score = policy_only_score(module, validation, exact_costs, rollouts=settings.rollouts, seed=seed)
+    returns = [p["episode_return_mean"] for p in curve[-5:] if math.isfinite(p["episode_return_mean"])]
+    tune.report(
+        {
+            **score,
+            "iterations": len(curve),
+            "env_steps": curve[-1]["env_steps"] if curve else 0,
+            "final_return": float(statistics.fmean(returns)) if returns else math.nan,
+            "seconds": time.perf_counter() - started,
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Tune plumbing
 
 

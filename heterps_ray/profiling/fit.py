@@ -35,7 +35,11 @@ from heterps_ray.errors import DataError
 #   kind      "layer" (one layer fwd+bwd on one actor), "layer_pair" (`calls` calls in `ms` on one of
 #             `replicas` actors running the layer at once), "transfer" (one actor-to-actor message),
 #             "ps" (`calls` pull+push requests of `rows` rows each, in `ms`), "ps_dense" (`calls` dense
-#             pushes of `rows` parameters), "input" (reading `rows` rows of data, in `ms`)
+#             pushes of `rows` parameters), "input" (reading `rows` rows of data, in `ms`), "host" (the
+#             machine of a type's actor: Ray node id in `peer`, its cores in `rows`, and the CPU ms
+#             other processes used there, `client_ms`, in a window of `ms` while the profile idled),
+#             "call_cpu" (`calls` small actor calls in `ms`, while the node's raylet used `client_ms`
+#             of CPU: Ray's own work per call)
 #   forward_ms / backward_ms   layer: forward / backward + optimizer step; ps: pull / push
 #   client_ms  ps: the push's work in the client (de-duplicating keys, summing gradients);
 #              input: opening the dataset on a worker (imports on its first call: a one-time cost)
@@ -258,6 +262,7 @@ def fit_problem(
                 "io_bandwidth_gbps": _round(io),
                 "latency_ms": _round(latency),
                 "device": rtype.device,
+                "threads": int(rtype.torch_threads),
             }
         )
 
@@ -312,7 +317,13 @@ def fit_problem(
             flags.append(
                 f"{row['what']} {row['layer'] or ''} on {row['resource']}: {row['flags']}".replace("  ", " ")
             )
-    problem = {
+    hosts = _shared_hosts(measurements)
+    for host in hosts:
+        rows.append(
+            {"what": "host", "layer": "", "resource": "+".join(host["types"]), "cores": host["cores"],
+             "background_cores": host["background_cores"], "flags": ""}
+        )  # fmt: skip
+    problem: dict[str, Any] = {
         "name": name,
         "batch_size": int(batch_size),
         "samples": int(samples),
@@ -322,6 +333,8 @@ def fit_problem(
         "ps": ps,
         "layers": layer_entries,
     }
+    if hosts:
+        problem["hosts"] = hosts
     return FitResult(
         problem=problem, quality=quality, measurements=measurements, flags=flags, runtime=runtime
     )
@@ -369,6 +382,32 @@ def runtime_path(problem_path: str | Path) -> Path:
     """Where :func:`write_problem` puts the simulator extras of a problem file."""
     path = Path(problem_path)
     return path.with_name(f"{path.stem}.runtime.yaml")
+
+
+def _shared_hosts(measurements: pd.DataFrame) -> list[dict[str, Any]]:
+    """Machines (Ray nodes) on which the actors of two or more types ran: their cores are shared.
+    A type alone on its nodes is left out (a real cluster: each instance has its own cores)."""
+    sel = measurements[measurements["kind"] == "host"]
+    hosts: list[dict[str, Any]] = []
+    for node, group in sel.groupby("peer", sort=True):
+        types = list(dict.fromkeys(group["resource"]))
+        if len(types) < 2:
+            continue
+        cores = float(group["rows"].min())
+        background = float(group["client_ms"].sum() / group["ms"].sum())
+        host = {
+            "name": f"node{len(hosts)}",
+            "cores": cores,
+            "types": types,
+            "background_cores": _round(min(background, 0.9 * cores)),
+        }
+        calls = measurements[(measurements["kind"] == "call_cpu") & (measurements["peer"] == node)]
+        calls = calls[calls["client_ms"].notna()]
+        if not calls.empty:  # the raylet's CPU per call
+            daemons = calls["client_ms"].sum() / calls["calls"].sum()
+            host["call_cpu_ms"] = _round(float(daemons))
+        hosts.append(host)
+    return hosts
 
 
 def _nearest(measurements: pd.DataFrame, batch_size: int) -> int:

@@ -35,6 +35,7 @@ from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
 
 _BYTES_PER_MB = 1 << 20
+_CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class ProfileSettings:
     ps_repeats: int = 3
     input_rows: int = 1 << 16
     """rows read per input-rate repeat: one chunk of heterps_ray.data.dataset (it converts 65,536 at a time)"""
+    host_window_s: float = 1.0
+    """how long each type's first actor watches its machine's CPU use while idle (background load)"""
+    host_calls: int = 200
+    """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
     seed: int = 0
     progress: bool = True
 
@@ -72,6 +77,8 @@ class ProfileSettings:
             "ps_calls": 4,
             "ps_repeats": 1,
             "input_rows": 2048,
+            "host_window_s": 0.3,
+            "host_calls": 50,
         }
         return cls(**{**fields, **overrides})
 
@@ -164,6 +171,41 @@ class LayerProfiler:
             calls += 1
             elapsed = (time.perf_counter() - start) * 1000.0
         return calls, elapsed
+
+    def host_load(self, window_s: float) -> tuple[str, int, float, float]:
+        """(node id, cores this process may use, window ms, CPU ms the rest of the machine used in
+        the window) while this actor sleeps: the machine's cores and their background load."""
+        import psutil
+
+        def busy_s() -> float:
+            t = psutil.cpu_times()
+            return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+        me = psutil.Process()
+        own0, all0, t0 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
+        time.sleep(window_s)
+        own1, all1, t1 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        node = ray.get_runtime_context().get_node_id()
+        return node, cores, (t1 - t0) * 1000.0, max((all1 - all0) - (own1 - own0), 0.0) * 1000.0
+
+    def call_cpu(self, peer: Any, calls: int) -> tuple[float, float]:
+        """(window ms, CPU ms of this node's raylet) while making `calls` calls to `peer` one after the
+        other, each with an activation-sized argument (256 KiB: through the object store, as the
+        pipeline's are): Ray's own work per call, which on a shared host takes a core beside the
+        actors. NaN when the raylet cannot be found (not this actor's parent)."""
+        import psutil
+
+        raylet = psutil.Process().parent()
+        if raylet is None or "raylet" not in raylet.name():
+            return 0.0, math.nan
+        payload = np.ones(_CALL_PAYLOAD_BYTES // 4, dtype=np.float32)
+        ray.get(peer.receive.remote(payload))
+        before, t0 = sum(raylet.cpu_times()[:2]), time.perf_counter()
+        for _ in range(calls):
+            ray.get(peer.receive.remote(payload))
+        window = (time.perf_counter() - t0) * 1000.0
+        return window, (sum(raylet.cpu_times()[:2]) - before) * 1000.0
 
     def send(self, peer: Any, nbytes: int, repeats: int) -> list[float]:
         """Send `nbytes` to actor `peer` `repeats` times (after one warm-up); ms per message,
@@ -354,7 +396,7 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     total = (
         len(present) * (settings.repeats + spec.num_layers)
         + len(present) * len(present) * len(settings.transfer_bytes)
-        + 2
+        + 3
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
     try:
@@ -370,6 +412,9 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
         bar.update()
         bar.set_postfix_str("input read rate")
         rows += _input_runs(job, present, actors, settings)
+        bar.update()
+        bar.set_postfix_str("machines and their background load")
+        rows += _host_runs(present, actors, settings)
         bar.update()
     finally:
         bar.close()
@@ -403,6 +448,25 @@ def _layer_rounds(
             )  # fmt: skip
         bar.update()
     return rows
+
+
+def _host_runs(
+    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings
+) -> list[_Row]:
+    """Per type: the machine its first actor runs on (Ray node id in `peer`, cores in `rows`) and
+    the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`).
+    The fit declares a shared host where types share a node."""
+    out = []
+    for rtype in present:
+        group = actors[rtype.name]
+        node, cores, ms, others = ray.get(group[0].host_load.remote(settings.host_window_s))
+        out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
+        if len(group) > 1:
+            ms, others = ray.get(group[0].call_cpu.remote(group[-1], settings.host_calls))
+            out.append(
+                _Row("call_cpu", rtype.name, peer=node, calls=settings.host_calls, ms=ms, client_ms=others)
+            )
+    return out
 
 
 def _transfer_runs(

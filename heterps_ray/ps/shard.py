@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
 from heterps_ray.ps.table import SparseTable, splitmix64
 
@@ -111,7 +112,17 @@ class PSShard:
         self._specs = dict(tables)
         self._tables = {name: SparseTable(**asdict(spec)) for name, spec in tables.items()}
         self._dense: dict[str, _DenseTable] = {}
-        self._counts = {"pulls": 0, "pushes": 0, "keys_pulled": 0, "keys_pushed": 0, "dense_pushes": 0}
+        self._counts = {
+            "pulls": 0,
+            "pushes": 0,
+            "keys_pulled": 0,
+            "keys_pushed": 0,
+            "dense_pushes": 0,
+            "stale_dropped": 0,
+        }
+        self._generation = 0  # pushes tagged with an older one are dropped
+        # DataWorker -> pushes applied per batch index: proves no batch is lost or applied twice
+        self._applied: dict[int, np.ndarray] = {}
         self._busy_s = 0.0
         self._started = time.perf_counter()
 
@@ -130,14 +141,40 @@ class PSShard:
         self._busy_s += time.perf_counter() - t0
         return rows
 
-    def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
-        """Adagrad step with the summed gradient of each key; returns the number of keys pushed."""
+    def push(
+        self, table: str, keys: np.ndarray, grads: np.ndarray, tag: tuple[int, int, int] | None = None
+    ) -> int:
+        """Adagrad step with the summed gradient of each key; returns the number of keys pushed.
+        `tag` (DataWorker, batch index, generation) is counted in :meth:`applied`; a push of a
+        generation older than :meth:`fence`'s is dropped (sent before a recovery, arriving after)."""
+        if tag is not None and tag[2] < self._generation:
+            self._counts["stale_dropped"] += 1
+            return 0
         t0 = time.perf_counter()
-        self._tables[table].push(keys, grads)
+        if len(keys):
+            self._tables[table].push(keys, grads)
+        if tag is not None:
+            self._count_applied(tag[0], tag[1])
         self._counts["pushes"] += 1
         self._counts["keys_pushed"] += len(keys)
         self._busy_s += time.perf_counter() - t0
         return len(keys)
+
+    def _count_applied(self, worker: int, batch: int) -> None:
+        counts = self._applied.get(worker, np.zeros(0, dtype=np.int64))
+        if batch >= len(counts):
+            grown = np.zeros(max(batch + 1, 2 * len(counts)), dtype=np.int64)
+            grown[: len(counts)] = counts
+            counts = self._applied[worker] = grown
+        counts[batch] += 1
+
+    def fence(self, generation: int) -> None:
+        """From now on drop tagged pushes of older generations (the driver calls it at a recovery)."""
+        self._generation = generation
+
+    def applied(self) -> dict[int, np.ndarray]:
+        """Per DataWorker: how many tagged pushes this shard applied for each batch index."""
+        return {w: c.copy() for w, c in self._applied.items()}
 
     # -- dense (async mode) ---------------------------------------------------------------------
 
@@ -190,6 +227,8 @@ class PSShard:
                 out[f"sparse/{name}/{k}"] = v
         for name, dense in self._dense.items():
             out.update(dense.state(f"dense/{name}"))
+        for worker, counts in self._applied.items():
+            out[f"applied/{worker}"] = counts.copy()
         return out
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
@@ -204,14 +243,55 @@ class PSShard:
             table.load_state({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         for name, dense in self._dense.items():
             dense.load_state(f"dense/{name}", state)
+        self._applied = {
+            int(k.split("/", 1)[1]): np.array(v, dtype=np.int64)
+            for k, v in state.items()
+            if k.startswith("applied/")
+        }
 
     def snapshot(self, path: str) -> str:
         """Write :meth:`state` to `path` as an .npz, atomically (temporary file, fsync, rename)."""
         return str(write_npz_atomic(path, self.state()))
 
     def restore(self, path: str) -> None:
-        """Load a :meth:`snapshot` file (a DataError naming it if it is truncated or corrupted)."""
-        self.load_state(read_npz(path))
+        """Load a :meth:`snapshot` file (a DataError naming it if it is truncated, corrupted or not
+        a snapshot of this shard)."""
+        state = read_npz(path)
+        try:
+            self.load_state(state)
+        except (KeyError, ValueError) as exc:
+            raise DataError(
+                f"{path}: not a snapshot of PS shard {self.index}/{self.num_shards} ({exc!r})"
+            ) from None
+
+
+def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list[dict[str, np.ndarray]]:
+    """:meth:`PSShard.state` of every old shard -> the states of `num_shards` new shards: sparse rows
+    merged and redistributed with :func:`shard_of`; dense tables (async) must not be present.
+    Applied-batch counts carry over where all old shards agree (the minimum otherwise)."""
+    if any(k.startswith("dense/") for st in states for k in st):
+        raise ValueError("dense tables (async mode) cannot be re-sharded; keep the PS shard count")
+    tables = sorted({k.split("/")[1] for st in states for k in st if k.startswith("sparse/")})
+    out: list[dict[str, np.ndarray]] = [
+        {"shard/index": np.array(i, dtype=np.int64), "shard/num_shards": np.array(num_shards, dtype=np.int64)}
+        for i in range(num_shards)
+    ]
+    for table in tables:
+        prefix = f"sparse/{table}/"
+        fields = sorted({k[len(prefix) :] for st in states for k in st if k.startswith(prefix)})
+        merged = {f: np.concatenate([st[prefix + f] for st in states if prefix + f in st]) for f in fields}
+        owner = shard_of(merged["keys"], num_shards)
+        for i in range(num_shards):
+            mine = owner == i
+            out[i].update({prefix + f: v[mine] for f, v in merged.items()})
+    workers = sorted({k for st in states for k in st if k.startswith("applied/")})
+    for name in workers:
+        parts = [st.get(name, np.zeros(0, dtype=np.int64)) for st in states]
+        length = max(len(p) for p in parts)
+        padded = np.stack([np.pad(p, (0, length - len(p))) for p in parts])
+        for st in out:
+            st[name] = padded.min(axis=0)
+    return out
 
 
 def _placement(**fields: Any) -> dict[str, Any]:
@@ -267,8 +347,11 @@ class PSClient:
             rows[positions[s]] = part
         return rows[inverse].reshape(*keys.shape, dim)
 
-    def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> list[Any]:
-        """Sum the gradients of equal keys here (float64), send each shard its part; returns refs."""
+    def push(
+        self, table: str, keys: np.ndarray, grads: np.ndarray, tag: tuple[int, int, int] | None = None
+    ) -> list[Any]:
+        """Sum the gradients of equal keys here (float64), send each shard its part; returns refs.
+        With a `tag` every shard gets a call (maybe with no keys), so each counts the batch."""
         keys = np.asarray(keys)
         unique, inverse, positions = self._split(keys)
         flat = np.asarray(grads, dtype=np.float32).reshape(len(inverse), -1)
@@ -276,9 +359,9 @@ class PSClient:
         for column in range(flat.shape[1]):
             summed[:, column] = np.bincount(inverse, weights=flat[:, column], minlength=len(unique))
         return [
-            self.shards[s].push.remote(table, unique[pos], summed[pos])
+            self.shards[s].push.remote(table, unique[pos], summed[pos], tag)
             for s, pos in enumerate(positions)
-            if len(pos)
+            if len(pos) or tag is not None
         ]
 
     def stats(self) -> list[dict[str, Any]]:

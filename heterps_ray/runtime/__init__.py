@@ -35,4 +35,11 @@ Design (see DESIGN.md §1):
 * **Driver** (``driver.train`` / ``heterps train``): starts the actors, drives the DataWorkers in
   chunks of steps, shows progress, evaluates AUC/logloss through the pipeline, and writes
   ``run_summary.json`` and ``model/`` (``checkpoint.py``: .npz, no pickle).
+* **Faults** (``faults.py``): a dead actor is re-created with the same options, every actor rolls
+  back to the newest checkpoint (else the run's start) and the batches since are replayed; calls
+  sent before the recovery carry an older generation and are dropped. PS shards count the pushes
+  they applied per (DataWorker, batch), so the summary proves no batch was lost or applied twice.
+* **Elastic** (``elastic.py``): with ``train(elastic=True)`` (``heterps run``) a change of the
+  cluster's resource types stops the run at a checkpoint for a re-plan; a checkpoint loads into any
+  plan of the same model in sync mode (dense state by layer name, PS rows re-sharded).
 """

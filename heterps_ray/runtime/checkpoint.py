@@ -155,6 +155,8 @@ def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoi
         raise DataError(
             f"{directory / 'model.json'}: cannot read the model description ({exc.strerror})"
         ) from None
+    except ValueError as exc:
+        raise DataError(f"{directory / 'model.json'}: not a model description (JSON): {exc}") from None
     spec = build_model(ModelConfig(**meta["model"]))
     net = spec.build(0, spec.num_layers, meta["seed"])
     dense = read_npz(directory / "dense.npz")

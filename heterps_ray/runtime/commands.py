@@ -41,7 +41,8 @@ def _register_train(subparsers: Any) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in output_dir from its newest valid checkpoint (sync mode)",
+        help="continue the run in output_dir from its newest valid checkpoint (in sync mode also "
+        "under another plan)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -76,6 +77,18 @@ def _train(args: argparse.Namespace) -> int:
     )
     if "resumed_from" in summary.extra:
         print(f"resumed from {summary.extra['resumed_from']['checkpoint']}")
+    for fault in summary.extra.get("faults", []):
+        who = ", ".join(f"{a['kind']} {a['replica']} ({a['how']})" for a in fault["actors"])
+        print(
+            f"fault at step {fault['step']}: {who}; recovered in {fault['recovery_s']:.1f} s from step "
+            f"{fault['rolled_back_to']}, {fault['batches_replayed']} batches replayed"
+        )
+    if "batches_applied" in summary.extra:
+        extra = summary.extra
+        print(
+            f"batches applied once on every PS shard: {extra['batches_applied']}, lost "
+            f"{extra['batches_lost']}, applied twice {extra['batches_duplicated']}"
+        )
     if summary.extra.get("checkpoints"):
         print(f"checkpoints written: {len(summary.extra['checkpoints'])} (newest kept in checkpoints/)")
     if summary.auc is not None:

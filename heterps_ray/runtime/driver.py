@@ -14,6 +14,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.ps.atomic import read_npz, write_bytes_atomic, write_npz_atomic
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard, TableSpec, reshard_states
 from heterps_ray.runtime.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST,
@@ -37,7 +38,15 @@ from heterps_ray.runtime.checkpoint import (
     latest_training_checkpoint,
     save_checkpoint,
 )
+from heterps_ray.runtime.elastic import ResourcesChanged, change_reason, present_types
 from heterps_ray.runtime.evaluation import evaluate_logits
+from heterps_ray.runtime.faults import (
+    FaultRecord,
+    TooManyFaults,
+    batch_accounting,
+    how_it_died,
+    is_actor_death,
+)
 from heterps_ray.runtime.pipeline import StageSpec, check_capacity, resolve_stages
 from heterps_ray.runtime.workers import (
     SPARSE_TABLE,
@@ -53,6 +62,19 @@ SUMMARY_FILE = "run_summary.json"
 _CHUNK_STEPS = 20  # batches per DataWorker between progress updates
 _EVAL_BATCH = 4096  # rows per evaluation micro-batch
 _READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
+_SETTLE_TIMEOUT_S = 60.0  # after a fault: a DataWorker still busy by then is taken for hung
+_PROBE_TIMEOUT_S = 30.0  # after a fault: an actor not answering a probe by then is taken for dead
+
+
+@dataclass
+class LiveActors:
+    """The actors of a running job at a chunk boundary, for ``train(on_chunk=...)`` callbacks
+    (monitoring, and fault-injection tests that kill one of them)."""
+
+    step: int
+    shards: list[Any]
+    data_workers: list[Any]
+    stage_workers: list[list[Any]]  # stages 1..S-1, replicas each
 
 
 @dataclass
@@ -95,13 +117,20 @@ def train(
     plan_file: str | None = None,
     save: bool = True,
     resume: bool = False,
+    on_chunk: Callable[[LiveActors], None] | None = None,
+    elastic: bool = False,
 ) -> RunSummary:
     """Run `plan` (a :class:`heterps_ray.scheduling.Plan`) for `job` on Ray and return its summary.
 
     Uses the running Ray if there is one, else connects to `address` (or $RAY_ADDRESS), else starts
     an embedded local Ray with the cluster's resource types as custom resources (stopped at the end).
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
-    `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (sync mode).
+    `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (a checkpoint of
+    another plan works too in sync mode: dense state is keyed by layer, PS rows are re-sharded).
+    A dead actor is re-created and the run rolls back to its newest checkpoint (else its start) and
+    replays, at most ``runtime.max_restarts`` times. `on_chunk` is called between chunks with the
+    live actors. `elastic`: raise :class:`~heterps_ray.runtime.elastic.ResourcesChanged` (after a
+    checkpoint) when the cluster's resource types change.
     """
     model = build_model(job.model)
     stages = resolve_stages(plan, model, job, plan_file)
@@ -110,13 +139,18 @@ def train(
     output_dir = Path(job.output_dir)
     plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
     _check_checkpointing(job, resume, save)
+    # the data is checked before --overwrite removes a previous run: a failing run replaces nothing
+    train_files, eval_files = _dataset_files(job)
     start: dict[str, Any] = {}
     if resume:
-        start = _resume_point(output_dir, plan_dict, num_shards)
+        start = _resume_point(output_dir, plan_dict, num_shards, job.mode)
     elif save:
         _claim_output_dir(output_dir, overwrite)
-    train_files, eval_files = _dataset_files(job)
-    owns_ray = connect(job.cluster, address)
+    if elastic and ray.is_initialized():  # `heterps run` connected; types may come and go since
+        owns_ray = False
+        _check_plan_types(stages, job, plan_file)
+    else:
+        owns_ray = connect(job.cluster, address)
     run = _Run(job, model, stages, num_shards, train_files)
     try:
         placement = run.start()
@@ -125,10 +159,10 @@ def train(
         target = steps or job.runtime.train_steps
         saver = (
             _CheckpointSaver(output_dir, job.runtime.checkpoint_every, plan_dict, num_shards)
-            if save and job.runtime.checkpoint_every
+            if save
             else None
         )
-        history = run.train(target, progress, start, saver)
+        history = run.train(target, progress, start, saver, on_chunk, elastic)
         metrics = run.evaluate(eval_files)
         summary = RunSummary(
             job=job.name,
@@ -148,7 +182,14 @@ def train(
             placement=placement,
             ps=run.ps_stats(),
             output_dir=str(output_dir) if save else None,
-            extra={"chunks": history["chunks"], "data_wait_s": run.data_wait()},
+            extra={
+                "chunks": history["chunks"],
+                "data_wait_s": run.data_wait(),
+                "faults": [asdict(f) for f in run.faults],
+                "restarts": run.restarts,
+                "max_restarts": job.runtime.max_restarts,
+                **run.accounting(history["positions"]),
+            },
         )
         if saver is not None:
             summary.extra["checkpoints"] = saver.written
@@ -157,6 +198,7 @@ def train(
                 "checkpoint": str(start["directory"]),
                 "step": start["steps"],
                 "skipped": start["skipped"],
+                "plan_changed": start["plan_changed"],
             }
         if save:
             run.save_model(output_dir / MODEL_DIR)
@@ -172,7 +214,7 @@ def train(
 
 
 class _Run:
-    """The actors of one run and the driver-side loop over them."""
+    """The actors of one run and the driver-side loop over them, with fault recovery."""
 
     def __init__(
         self, job: JobConfig, model: ModelSpec, stages: list[StageSpec], num_shards: int, files: list[Path]
@@ -195,6 +237,13 @@ class _Run:
         self.shards: list[Any] = []
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
+        self.faults: list[FaultRecord] = []
+        self.restarts = 0
+        self._generation = 0  # raised at each recovery; older calls still in flight are dropped
+        # where a fault rolls back to: step, samples, losses kept, progress, and a checkpoint
+        # directory or the in-memory start state
+        self._recovery: dict[str, Any] = {}
+        self._progress: dict[int, dict[str, int]] = {}  # per DataWorker, at the last chunk boundary
 
     def _settings(self, stage: StageSpec) -> WorkerSettings:
         rtype = self.job.cluster.type(stage.type)
@@ -208,52 +257,69 @@ class _Run:
             max_staleness=self.job.runtime.max_staleness,
         )
 
+    # -- actors ---------------------------------------------------------------------------------
+
+    def _new_shard(self, index: int) -> Any:
+        cluster = self.job.cluster
+        options = cluster.type(cluster.ps_resource).actor_options()
+        return (
+            ray.remote(PSShard).options(**options).remote(index, self.num_shards, {SPARSE_TABLE: self.table})
+        )
+
+    def _new_stage_worker(self, stage: StageSpec, replica: int) -> Any:
+        options = self.job.cluster.type(stage.type).actor_options()
+        return (
+            ray.remote(StageWorker)
+            .options(**options)
+            .remote(stage, replica, self.model, self._settings(stage), self._dense_ps(stage))
+        )
+
+    def _new_data_worker(self, index: int) -> Any:
+        stage0 = self.stages[0]
+        data = DataSettings(
+            path=str(self.job.data.path),
+            files=tuple(str(f) for f in self.files[index :: self.num_workers]),
+            batch_size=self.job.batch_size,
+            micro_batches=self.job.runtime.micro_batches,
+            epochs=self.job.runtime.epochs,
+            max_in_flight=self.job.runtime.max_in_flight,
+        )
+        options = self.job.cluster.type(stage0.type).actor_options()
+        return (
+            ray.remote(DataWorker)
+            .options(**options)
+            .remote(
+                index,
+                stage0,
+                self.model,
+                self._settings(stage0),
+                data,
+                self.stage_workers,
+                self.shards,
+                self._dense_ps(stage0),
+                self._generation,
+            )
+        )
+
+    def _all_actors(self) -> list[tuple[str, int, int, Any]]:
+        """(kind, stage, replica, handle) of every actor; PS shards have stage -1."""
+        out = [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
+        return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
+
     def start(self) -> list[dict[str, Any]]:
         """Start shards, stage workers and data workers; wait until all are placed."""
-        cluster = self.job.cluster
-        ps_options = cluster.type(cluster.ps_resource).actor_options()
-        shard_cls = ray.remote(PSShard)
-        self.shards = [
-            shard_cls.options(**ps_options).remote(i, self.num_shards, {SPARSE_TABLE: self.table})
-            for i in range(self.num_shards)
-        ]
+        self.shards = [self._new_shard(i) for i in range(self.num_shards)]
         if self.job.mode == "async":
-            self._register_dense_tables()
-        stage_cls = ray.remote(StageWorker)
-        for stage in self.stages[1:]:
-            options = cluster.type(stage.type).actor_options()
-            self.stage_workers.append(
-                [
-                    stage_cls.options(**options).remote(
-                        stage, r, self.model, self._settings(stage), self._dense_ps(stage)
-                    )
-                    for r in range(stage.replicas)
-                ]
-            )
-        data_cls = ray.remote(DataWorker)
-        stage0 = self.stages[0]
-        for i in range(self.num_workers):
-            data = DataSettings(
-                path=str(self.job.data.path),
-                files=tuple(str(f) for f in self.files[i :: self.num_workers]),
-                batch_size=self.job.batch_size,
-                micro_batches=self.job.runtime.micro_batches,
-                epochs=self.job.runtime.epochs,
-                max_in_flight=self.job.runtime.max_in_flight,
-            )
-            self.data_workers.append(
-                data_cls.options(**cluster.type(stage0.type).actor_options()).remote(
-                    i,
-                    stage0,
-                    self.model,
-                    self._settings(stage0),
-                    data,
-                    self.stage_workers,
-                    self.shards,
-                    self._dense_ps(stage0),
-                )
-            )
-        actors = self.shards + [a for r in self.stage_workers for a in r] + self.data_workers
+            self._register_dense_tables(range(self.num_shards))
+        self.stage_workers = [
+            [self._new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
+        ]
+        self.data_workers = [self._new_data_worker(i) for i in range(self.num_workers)]
+        return self._wait_placed([a for *_, a in self._all_actors()])
+
+    def _wait_placed(self, actors: list[Any]) -> list[dict[str, Any]]:
         try:
             return ray.get([a.describe.remote() for a in actors], timeout=_READY_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
@@ -268,9 +334,13 @@ class _Run:
     def _dense_ps(self, stage: StageSpec) -> Any:
         return self.shards[stage.index % self.num_shards] if self.job.mode == "async" else None
 
-    def _register_dense_tables(self) -> None:
+    def _register_dense_tables(self, shards: Any) -> None:
+        """Async mode: the initial dense weights of every stage whose PS shard is in `shards`."""
         refs = []
+        wanted = set(shards)
         for stage in self.stages:
+            if stage.index % self.num_shards not in wanted:
+                continue
             module = self.model.build(stage.start, stage.end, self.job.seed)
             names = canonical_names(module, self.model)
             params = {names[k]: v.detach().numpy() for k, v in module.named_parameters()}
@@ -301,15 +371,20 @@ class _Run:
                     demand[key] = demand.get(key, 0.0) + amount * count
         return demand
 
+    # -- the training loop ------------------------------------------------------------------------
+
     def train(
         self,
         target: int | None,
         progress: bool,
         start: dict[str, Any] | None = None,
         saver: _CheckpointSaver | None = None,
+        on_chunk: Callable[[LiveActors], None] | None = None,
+        elastic: bool = False,
     ) -> dict[str, Any]:
         """Drive the DataWorkers chunk by chunk until `target` batches (or the data) are done, from
-        `start` (a resumed checkpoint's steps, samples and losses), checkpointing through `saver`."""
+        `start` (a resumed checkpoint's steps, samples and losses), checkpointing through `saver`;
+        recover from actor deaths; with `elastic`, stop at a checkpoint when resource types change."""
         from tqdm import tqdm
 
         start = start or {}
@@ -323,30 +398,67 @@ class _Run:
         )
         losses: list[float] = list(start.get("losses", []))
         done, samples = start.get("steps", 0), start.get("samples", 0)
+        self._progress = {
+            i: p for i, p in enumerate(ray.get([w.progress.remote() for w in self.data_workers]))
+        }
+        self._mark_recovery(done, samples, losses, start.get("directory") or self._capture())
+        types_before = present_types(self.job.cluster) if elastic else []
+        plan_types = {s.type for s in self.stages} | {self.job.cluster.ps_resource}
         active = list(range(self.num_workers))
         busy_prev = self._stage_stats()
         seconds = 0.0
         chunks: list[tuple[int, float]] = []  # (samples, seconds) per chunk, for warm-up-free rates
         try:
             while active and (target is None or done < target):
+                if elastic:
+                    now = present_types(self.job.cluster)
+                    reason = change_reason(types_before, now, plan_types)
+                    if reason is not None:
+                        raise ResourcesChanged(
+                            reason,
+                            types_before,
+                            now,
+                            done,
+                            self._checkpoint_now(saver, done, samples, losses),
+                        )
                 per = _CHUNK_STEPS
                 if target is not None:
                     per = min(per, math.ceil((target - done) / len(active)))
                 if saver is not None:  # end chunks on checkpoint boundaries
                     per = min(per, math.ceil((saver.next_step(done) - done) / len(active)))
                 t0 = time.perf_counter()
-                results = ray.get([self.data_workers[i].run.remote(per) for i in active])
-                interval = time.perf_counter() - t0
-                seconds += interval
-                chunks.append((sum(r["samples"] for r in results), interval))
-                for r in results:
-                    losses += r["losses"]
-                    done += r["steps"]
-                    samples += r["samples"]
-                active = [i for i, r in zip(active, results, strict=True) if not r["exhausted"]]
-                if saver is not None and done >= saver.next_step(done - sum(r["steps"] for r in results)):
-                    saver.save(self, done, samples, losses)
-                stats = self._stage_stats()
+                refs = [self.data_workers[i].run.remote(per) for i in active]
+                try:
+                    results = ray.get(refs)
+                    interval = time.perf_counter() - t0
+                    seconds += interval
+                    chunks.append((sum(r["samples"] for r in results), interval))
+                    for r in results:
+                        losses += r["losses"]
+                        done += r["steps"]
+                        samples += r["samples"]
+                        self._progress[r["worker"]] = {"position": r["position"], "updates": r["updates"]}
+                    active = [i for i, r in zip(active, results, strict=True) if not r["exhausted"]]
+                    if saver is not None and done >= saver.next_step(done - sum(r["steps"] for r in results)):
+                        path = saver.save(self, done, samples, losses)
+                        self._mark_recovery(done, samples, losses, path)
+                    stats = self._stage_stats()
+                    if on_chunk is not None:
+                        on_chunk(LiveActors(done, self.shards, self.data_workers, self.stage_workers))
+                except Exception as exc:
+                    if not is_actor_death(exc):
+                        raise
+                    seconds += time.perf_counter() - t0
+                    _, pending = ray.wait(refs, num_returns=len(refs), timeout=_SETTLE_TIMEOUT_S)
+                    hung = {i for i, r in zip(active, refs, strict=True) if r in pending}
+                    self._recover(exc, hung, done, plan_types if elastic else None, types_before)
+                    done, samples = self._recovery["step"], self._recovery["samples"]
+                    del losses[self._recovery["losses"] :]
+                    active = list(range(self.num_workers))
+                    busy_prev = self._stage_stats()
+                    bar.n = done
+                    bar.refresh()
+                    continue
                 busy = _busy_fractions(busy_prev, stats, interval, self.stages)
                 busy_prev = stats
                 chunk_samples = sum(r["samples"] for r in results)
@@ -372,7 +484,227 @@ class _Run:
             "losses": losses,
             "stages": stages,
             "chunks": chunks,
+            "positions": {i: p["position"] for i, p in self._progress.items()},
         }
+
+    def _checkpoint_now(
+        self, saver: _CheckpointSaver | None, done: int, samples: int, losses: list[float]
+    ) -> Path | None:
+        """The newest checkpoint of the current state (written now unless it exists), for a re-plan."""
+        source = self._recovery["source"]
+        if isinstance(source, Path) and self._recovery["step"] == done:
+            return source
+        if saver is None or done == 0:
+            return source if isinstance(source, Path) else None
+        return saver.save(self, done, samples, losses)
+
+    def _mark_recovery(self, done: int, samples: int, losses: list[float], source: Any) -> None:
+        self._recovery = {
+            "step": done,
+            "samples": samples,
+            "losses": len(losses),
+            "progress": {i: dict(p) for i, p in self._progress.items()},
+            "source": Path(source) if isinstance(source, str | Path) else source,
+        }
+
+    def _capture(self) -> dict[str, Any]:
+        """The run's start state in memory (PS shards are still nearly empty): the recovery point
+        until the first checkpoint."""
+        owners = self._trained_actors()
+        states = ray.get([a.train_state.remote() for a in owners.values()])
+        return {
+            "shards": ray.get([s.state.remote() for s in self.shards]),
+            "actors": dict(zip(owners, states, strict=True)),
+        }
+
+    # -- fault recovery -----------------------------------------------------------------------------
+
+    def _recover(
+        self,
+        exc: BaseException,
+        hung: set[int],
+        step: int,
+        plan_types: set[str] | None,
+        types_before: list[str],
+    ) -> None:
+        """Re-create the dead actors, roll every actor back to the recovery point and record it.
+        `hung`: DataWorkers whose chunk did not end after the fault."""
+        t0 = time.perf_counter()
+        dead = self._find_dead(hung)
+        if not dead:
+            raise exc
+        self.restarts += len(dead)
+        if self.restarts > self.job.runtime.max_restarts:
+            names = ", ".join(f"{d['kind']} {d['stage']}/{d['replica']} ({d['how']})" for d in dead)
+            raise TooManyFaults(
+                f"{self.restarts} actor deaths, more than runtime.max_restarts="
+                f"{self.job.runtime.max_restarts}; the last: {names}. Raise runtime.max_restarts or "
+                "find why actors die (memory, preemption); resume with --resume from the newest checkpoint"
+            ) from exc
+        if plan_types is not None:
+            now = present_types(self.job.cluster)
+            gone = sorted({self._type_of(d) for d in dead} - set(now))
+            if gone:
+                source = self._recovery["source"]
+                raise ResourcesChanged(
+                    f"actors of resource type(s) {gone} died and the type is gone",
+                    types_before,
+                    now,
+                    self._recovery["step"],
+                    source if isinstance(source, Path) else None,
+                ) from exc
+        at_fault = self._progress_now(dead)
+        for d in dead:
+            ray.kill(d["handle"], no_restart=True)
+        self._generation += 1
+        wait = _ReplacementWait(self, plan_types, types_before)
+        new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
+        for i in new_shards:
+            self.shards[i] = self._new_shard(i)
+        wait.placed([self.shards[i] for i in new_shards])
+        if self.job.mode == "async" and new_shards:
+            self._register_dense_tables(new_shards)
+        for d in dead:
+            if d["kind"] == "stage_worker":
+                stage = self.stages[d["stage"]]
+                self.stage_workers[stage.index - 1][d["replica"]] = self._new_stage_worker(
+                    stage, d["replica"]
+                )
+        new_data = [d["replica"] for d in dead if d["kind"] == "data_worker"]
+        for i in new_data:
+            self.data_workers[i] = self._new_data_worker(i)
+        wait.placed([a for *_, a in self._all_actors()])
+        ray.get([s.fence.remote(self._generation) for s in self.shards])
+        self._restore_shards(self._recovery["source"])
+        refs = []
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            refs += [w.rewire.remote(self._generation, self._dense_ps(stage)) for w in replicas]
+        refs += [
+            w.rewire.remote(self._generation, self.stage_workers, self.shards, self._dense_ps(self.stages[0]))
+            for w in self.data_workers
+        ]
+        ray.get(refs)
+        self._restore_actors(self._recovery["source"])
+        back = self._recovery["progress"]
+        self._progress = {i: dict(p) for i, p in back.items()}
+        source = self._recovery["source"]
+        self.faults.append(
+            FaultRecord(
+                step=step,
+                actors=[{k: v for k, v in d.items() if k != "handle"} for d in dead],
+                rolled_back_to=self._recovery["step"],
+                recovery_point=str(source) if isinstance(source, Path) else "start",
+                recovery_s=time.perf_counter() - t0,
+                batches_replayed=sum(at_fault[i]["position"] - back[i]["position"] for i in back),
+                updates_lost=sum(at_fault[i]["updates"] - back[i]["updates"] for i in back),
+                lower_bound=bool(new_data),
+            )
+        )
+
+    def _type_of(self, dead: dict[str, Any]) -> str:
+        if dead["kind"] == "ps_shard":
+            return self.job.cluster.ps_resource
+        return self.stages[dead["stage"]].type
+
+    def _find_dead(self, hung_workers: set[int]) -> list[dict[str, Any]]:
+        """Probe every actor; the ones that do not answer (or whose chunk never ended) are dead."""
+        actors = self._all_actors()
+        probes = [a.describe.remote() for *_, a in actors]
+        ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        dead = []
+        for (kind, stage, replica, handle), probe in zip(actors, probes, strict=True):
+            how = None
+            try:
+                ray.get(probe, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                how = "did not answer (hung)"
+            except Exception as err:
+                if not is_actor_death(err):
+                    raise
+                how = how_it_died(err)
+            if how is None and kind == "data_worker" and replica in hung_workers:
+                how = "its chunk did not end (hung)"
+            if how is not None:
+                dead.append({"kind": kind, "stage": stage, "replica": replica, "how": how, "handle": handle})
+        return dead
+
+    def _progress_now(self, dead: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+        """Each DataWorker's progress at the fault: asked of the live ones, the last known of the dead."""
+        gone = {d["replica"] for d in dead if d["kind"] == "data_worker"}
+        out = {i: dict(p) for i, p in self._progress.items()}
+        live = [i for i in range(self.num_workers) if i not in gone]
+        for i, p in zip(live, ray.get([self.data_workers[i].progress.remote() for i in live]), strict=True):
+            out[i] = p
+        return out
+
+    # -- checkpoints and restore ------------------------------------------------------------------
+
+    def write_checkpoint(self, tmp: Path) -> None:
+        """Between chunks (sparse pushes settled, optimizers stepped): every actor's state."""
+        if self.job.mode == "async":  # dense pushes of stage replicas land before the snapshot
+            ray.get([w.refresh.remote() for r in self.stage_workers for w in r])
+        snapshots = [s.snapshot.remote(str(tmp / _shard_file(i))) for i, s in enumerate(self.shards)]
+        owners = self._trained_actors()
+        for name, state in zip(
+            owners, ray.get([a.train_state.remote() for a in owners.values()]), strict=True
+        ):
+            write_npz_atomic(tmp / name, state)
+        ray.get(snapshots)
+
+    def restore(self, directory: Path) -> None:
+        """Load a verified checkpoint into freshly started actors (any plan of the same model in sync
+        mode: dense state goes by layer name, PS rows are re-sharded when the shard count differs)."""
+        self._restore_shards(Path(directory))
+        self._restore_actors(Path(directory))
+
+    def _restore_shards(self, source: Any) -> None:
+        if isinstance(source, dict):
+            ray.get([s.load_state.remote(st) for s, st in zip(self.shards, source["shards"], strict=True)])
+            return
+        files = sorted(source.glob("ps-shard-*.npz"))
+        if len(files) == self.num_shards:
+            ray.get([s.restore.remote(str(source / _shard_file(i))) for i, s in enumerate(self.shards)])
+            return
+        states = reshard_states([read_npz(f) for f in files], self.num_shards)
+        ray.get([s.load_state.remote(st) for s, st in zip(self.shards, states, strict=True)])
+
+    def _restore_actors(self, source: Any) -> None:
+        owners = self._trained_actors()
+        if isinstance(source, dict):
+            ray.get([a.load_train_state.remote(source["actors"][name]) for name, a in owners.items()])
+        else:
+            saved = {
+                p.name: read_npz(p) for p in sorted(source.glob("*.npz")) if not p.name.startswith("ps-")
+            }
+            dense = {k: v for st in saved.values() for k, v in st.items() if not k.startswith("data/")}
+            refs = []
+            for name, actor in owners.items():
+                state = dict(dense)
+                if name.startswith("data-"):
+                    if name not in saved:
+                        raise DataError(f"{source}: no {name} (the checkpoint has another DataWorker count)")
+                    state.update({k: v for k, v in saved[name].items() if k.startswith("data/")})
+                refs.append(actor.load_train_state.remote(state))
+            ray.get(refs)
+        if self.job.mode == "async":  # replicas take the restored weights from the PS
+            ray.get([w.refresh.remote() for _, _, _, w in self._all_actors()[self.num_shards :]])
+
+    def _trained_actors(self) -> dict[str, Any]:
+        """Checkpoint file name -> actor with dense weights and optimizer state."""
+        owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            owners.update({f"stage{stage.index}-replica{r:03d}.npz": w for r, w in enumerate(replicas)})
+        return owners
+
+    def accounting(self, positions: dict[int, int]) -> dict[str, Any]:
+        """Sync mode: batches applied exactly once on every PS shard, lost and duplicated (from the
+        shards' own counts); async mode: the sparse updates each DataWorker sent."""
+        if self.job.mode == "sync":
+            applied = ray.get([s.applied.remote() for s in self.shards])
+            return batch_accounting(applied, positions)
+        return {"updates": sum(p["updates"] for p in self._progress.values())}
+
+    # -- stats, evaluation, model -----------------------------------------------------------------
 
     def _batches_available(self) -> int:
         import pyarrow.parquet as pq
@@ -435,34 +767,58 @@ class _Run:
             directory, self.job.model, self.model, self.job.seed, dense, {SPARSE_TABLE: sparse}, settings
         )
 
-    def write_checkpoint(self, tmp: Path) -> None:
-        """Sync mode, between chunks (sparse pushes settled, optimizers stepped): every actor's state."""
-        snapshots = [s.snapshot.remote(str(tmp / _shard_file(i))) for i, s in enumerate(self.shards)]
-        owners = self._trained_actors()
-        for name, state in zip(
-            owners, ray.get([a.train_state.remote() for a in owners.values()]), strict=True
-        ):
-            write_npz_atomic(tmp / name, state)
-        ray.get(snapshots)
-
-    def restore(self, directory: Path) -> None:
-        """Load a verified checkpoint into freshly started actors (same plan and shard count)."""
-        refs = [s.restore.remote(str(directory / _shard_file(i))) for i, s in enumerate(self.shards)]
-        owners = self._trained_actors()
-        refs += [a.load_train_state.remote(read_npz(directory / name)) for name, a in owners.items()]
-        ray.get(refs)
-
-    def _trained_actors(self) -> dict[str, Any]:
-        """Checkpoint file name -> actor with dense weights and optimizer state."""
-        owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
-        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
-            owners.update({f"stage{stage.index}-replica{r:03d}.npz": w for r, w in enumerate(replicas)})
-        return owners
-
     def shutdown(self) -> None:
         for actor in self.data_workers + [a for r in self.stage_workers for a in r] + self.shards:
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
+
+
+class _ReplacementWait:
+    """Waits for re-created actors to be placed. With elastic re-planning on, a type of the plan that
+    leaves the cluster meanwhile (its node died with the actors) raises ResourcesChanged instead of
+    waiting for a placement that cannot come."""
+
+    _POLL_S = 2.0
+
+    def __init__(self, run: _Run, plan_types: set[str] | None, types_before: list[str]):
+        self.run, self.plan_types, self.types_before = run, plan_types, types_before
+
+    def placed(self, actors: list[Any]) -> None:
+        if not actors:
+            return
+        probes = [a.describe.remote() for a in actors]
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, pending = ray.wait(probes, num_returns=len(probes), timeout=self._POLL_S)
+            try:
+                ray.get(ready)  # a replacement placed on a node that is dying raises here
+            except Exception as err:
+                if not is_actor_death(err) or self.plan_types is None:
+                    raise
+                for _ in range(10):  # the GCS may take a moment to drop the dead node's resources
+                    self._check_types(err)
+                    time.sleep(1.0)
+                raise
+            if not pending:
+                return
+            self._check_types(None)
+        self.run._wait_placed(actors)  # raises the ConfigError naming the demand
+
+    def _check_types(self, cause: BaseException | None) -> None:
+        """Elastic runs: raise ResourcesChanged when a type of the plan has left the cluster."""
+        if self.plan_types is None:
+            return
+        now = present_types(self.run.job.cluster)
+        gone = sorted(self.plan_types - set(now))
+        if gone:
+            source = self.run._recovery["source"]
+            raise ResourcesChanged(
+                f"resource type(s) {gone} of the plan disappeared (actors died with them)",
+                self.types_before,
+                now,
+                self.run._recovery["step"],
+                source if isinstance(source, Path) else None,
+            ) from cause
 
 
 def _shard_file(index: int) -> str:
@@ -477,6 +833,8 @@ class _CheckpointSaver:
         self.written: list[str] = []
 
     def next_step(self, done: int) -> int:
+        if not self.every:  # no periodic checkpoints (one is still written before a re-plan)
+            return 1 << 62
         return (done // self.every + 1) * self.every
 
     def save(self, run: _Run, done: int, samples: int, losses: list[float]) -> Path:
@@ -497,27 +855,33 @@ class _CheckpointSaver:
         return final
 
 
+def _check_plan_types(stages: list[StageSpec], job: JobConfig, plan_file: str | None) -> None:
+    """The resource types this plan needs are declared by the Ray cluster now (elastic runs)."""
+    needed = {s.type for s in stages} | {job.cluster.ps_resource}
+    missing = sorted(needed - set(present_types(job.cluster)))
+    if missing:
+        raise ConfigError(plan_file, "stages", "resource types the Ray cluster has now", missing)
+
+
 def _check_checkpointing(job: JobConfig, resume: bool, save: bool) -> None:
-    if job.mode != "sync" and (resume or job.runtime.checkpoint_every):
-        raise ConfigError(
-            None,
-            "runtime.checkpoint_every" if job.runtime.checkpoint_every else "--resume",
-            "sync mode (checkpoints and resume are sync-only for now)",
-            job.mode,
-        )
     if resume and not save:
         raise ConfigError(None, "resume", "save=True (a resumed run writes to its output_dir)", resume)
 
 
-def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int) -> dict[str, Any]:
-    """The newest valid checkpoint of `output_dir`, checked against this run's plan."""
+def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int, mode: str) -> dict[str, Any]:
+    """The newest valid checkpoint of `output_dir`, checked against this run's plan: in sync mode any
+    plan with as many DataWorkers (stage 0 replicas); in async mode the same stages and shards."""
     directory, manifest, skipped = latest_training_checkpoint(output_dir)
     stages = json.loads(json.dumps(_jsonable(plan.get("stages"))))
-    if (manifest.get("plan") or {}).get("stages") != stages or manifest.get("ps_shards") != num_shards:
+    saved = (manifest.get("plan") or {}).get("stages") or []
+    same = saved == stages and manifest.get("ps_shards") == num_shards
+    workers = stages[0]["replicas"] if stages else None
+    if not same and (mode != "sync" or not saved or saved[0].get("replicas") != workers):
         raise ConfigError(
             str(directory / MANIFEST),
             "plan",
-            f"the stages and PS shard count the checkpoint was written with ({manifest.get('ps_shards')} shards)",
+            "the stages and PS shard count the checkpoint was written with "
+            f"({manifest.get('ps_shards')} shards), or in sync mode any plan with as many DataWorkers",
             f"different stages or {num_shards} shards",
         )
     return {
@@ -526,6 +890,7 @@ def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int) -> di
         "samples": int(manifest["samples"]),
         "losses": [float(x) for x in manifest["losses"]],
         "skipped": skipped,
+        "plan_changed": not same,
     }
 
 

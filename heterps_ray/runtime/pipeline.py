@@ -61,6 +61,14 @@ def resolve_stages(plan: Any, model: ModelSpec, job: JobConfig, file: str | None
     for i, stage in enumerate(plan.stages):
         layers = list(stage.layers)
         end = start + len(layers)
+        unknown = [name for name in layers if name not in names]
+        if unknown:
+            raise ConfigError(
+                file,
+                f"stages.{i}.layers",
+                f"layers of model {model.name!r} (it has no layer {unknown[0]!r}; its layers are {names})",
+                layers,
+            )
         if layers != names[start:end]:
             raise ConfigError(
                 file,
@@ -82,6 +90,8 @@ def resolve_stages(plan: Any, model: ModelSpec, job: JobConfig, file: str | None
                 f"the type of its layers in `assignment` ({assignment[start:end]})",
                 stage.type,
             )
+        if int(stage.replicas) < 1:
+            raise ConfigError(file, f"stages.{i}.replicas", "at least 1", stage.replicas)
         if job.mode == "sync" and stage.replicas != 1:
             raise ConfigError(
                 file,
@@ -94,6 +104,12 @@ def resolve_stages(plan: Any, model: ModelSpec, job: JobConfig, file: str | None
     if start != len(names):
         raise ConfigError(
             file, "stages", f"stages covering all {len(names)} layers {names}", f"{start} layers"
+        )
+    ps_type = getattr(plan, "ps_type", "")
+    if ps_type and ps_type not in known:
+        # The runtime places shards on the cluster's PS type; a plan naming another cluster's is stale.
+        raise ConfigError(
+            file, "ps_type", f"a resource type of cluster {job.cluster.name!r}, one of {known}", ps_type
         )
     return stages
 

@@ -198,6 +198,12 @@ class _DenseReplica:
             self.latest = max(self.latest, ray.get(self._last_push))
             self._last_push = None
 
+    def reset(self, ps: Any) -> None:
+        """After a recovery: talk to `ps` (maybe a new shard), forget pending pushes, pull afresh."""
+        self.ps, self._last_push = ps, None
+        self.pull()
+        self.latest = self.version
+
 
 class StageWorker:
     """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
@@ -230,6 +236,9 @@ class StageWorker:
                 dense_ps, dense_table_name(stage.index), self.module, self.names, settings.max_staleness
             )
             self._dense.pull()
+        # Raised at each recovery: calls sent before it (still queued, maybe behind a dead actor's
+        # result) are dropped, so none can step an optimizer after the rollback.
+        self._generation = 0
         self._busy = _Busy()
         self._counts = {"forward": 0, "backward": 0, "samples": 0, "updates": 0, "peak_pending": 0}
         self._metrics = _Metrics("stage", stage.index, replica)
@@ -244,8 +253,10 @@ class StageWorker:
             layers=list(self.stage.layers),
         )
 
-    def forward(self, mb_id: int, x: Wire) -> Wire:
-        """Forward one micro-batch and keep what backward needs."""
+    def forward(self, mb_id: int, x: Wire, gen: int = 0) -> Wire:
+        """Forward one micro-batch and keep what backward needs (nothing for a stale `gen`)."""
+        if gen < self._generation:
+            return []
         with self._busy:
             inputs = from_wire(x, self.device, requires_grad=True)
             out = self.module(inputs)
@@ -255,9 +266,11 @@ class StageWorker:
 
     @ray.method(num_returns=2)
     def forward_backward(
-        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool
+        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int = 0
     ) -> tuple[Wire, float]:
         """The last stage: forward, loss (times `scale`), backward; returns (input grads, loss)."""
+        if gen < self._generation:
+            return [], float("nan")
         with self._busy:
             inputs = from_wire(x, self.device, requires_grad=True)
             (logit,) = self.module(inputs)
@@ -268,8 +281,10 @@ class StageWorker:
             self._after_backward(step)
             return grads, float(loss.detach())
 
-    def backward(self, mb_id: int, grads: Wire, step: bool) -> Wire:
+    def backward(self, mb_id: int, grads: Wire, step: bool, gen: int = 0) -> Wire:
         """Backward one micro-batch with the gradient of its output; returns its input's gradient."""
+        if gen < self._generation:
+            return []
         with self._busy:
             inputs, out = self._saved.pop(mb_id)
             roots, seeds = [], []
@@ -333,11 +348,21 @@ class StageWorker:
         return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
 
     def train_state(self) -> dict[str, np.ndarray]:
-        """Sync mode, at a batch boundary: weights and optimizer state for a checkpoint."""
+        """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""
         return train_state_of(self.module, self.names, self._optimizer)
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> None:
         load_train_state(self.module, self.names, self._optimizer, state)
+
+    def rewire(self, generation: int, dense_ps: Any = None) -> None:
+        """After a fault elsewhere: drop half-done micro-batches and calls of older generations, and
+        use the (new) PS shard."""
+        self._generation = generation
+        self._saved.clear()
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        if self._dense is not None:
+            self._dense.reset(dense_ps)
 
 
 def dense_table_name(stage_index: int) -> str:
@@ -383,9 +408,11 @@ class DataWorker:
         downstream: list[list[Any]],
         shards: list[Any],
         dense_ps: Any = None,
+        generation: int = 0,
     ):
         torch.set_num_threads(settings.torch_threads)
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
+        self._generation = generation  # see StageWorker: tags every call this worker sends
         self.model = model
         self.device = pick_device(settings.device)
         self.module = model.build(stage0.start, stage0.end, settings.seed).to(self.device)
@@ -404,6 +431,7 @@ class DataWorker:
             self._dense.pull()
         self._batches = self._read_batches()
         self._batch_index = 0
+        self._updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
         self._counter = 0  # micro-batches started
         self._window = data.max_in_flight
         self._lag = max(0, data.max_in_flight - 1)
@@ -464,7 +492,29 @@ class DataWorker:
             "losses": losses.tolist(),
             "exhausted": exhausted,
             "seconds": time.perf_counter() - t0,
+            **self.progress(),
         }
+
+    def progress(self) -> dict[str, int]:
+        """Where this worker is: batches trained (its data position) and sparse updates sent."""
+        return {"position": self._batch_index, "updates": self._updates}
+
+    def rewire(
+        self, generation: int, downstream: list[list[Any]], shards: list[Any], dense_ps: Any = None
+    ) -> None:
+        """After a fault: forget everything in flight and talk to the (partly new) actors."""
+        self._generation = generation
+        self.downstream = downstream
+        self.ps = PSClient(shards)
+        self._fwd_q.clear()
+        self._bwd_q.clear()
+        self._push_refs.clear()
+        self._done.clear()
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+        if self._dense is not None:
+            self._dense.reset(dense_ps)
 
     def _read_batches(self) -> Iterator[dict[str, np.ndarray]]:
         from heterps_ray.data.dataset import Dataset
@@ -504,7 +554,13 @@ class DataWorker:
             self._drain()
             assert self._batch_emb_grad is not None
             with self._busy:
-                self._push_refs += self.ps.push(SPARSE_TABLE, batch["keys"], self._batch_emb_grad)
+                self._push_refs += self.ps.push(
+                    SPARSE_TABLE,
+                    batch["keys"],
+                    self._batch_emb_grad,
+                    (self.index, self._batch_index, self._generation),
+                )
+                self._updates += 1
         self._batch_index += 1
 
     # -- the in-flight window --------------------------------------------------------------------
@@ -547,16 +603,18 @@ class DataWorker:
             ref: Any = to_wire(item.out)
         *middle, last = self.downstream
         for s, replicas in enumerate(middle):
-            ref = replicas[item.route[s]].forward.remote(item.id, ref)
+            ref = replicas[item.route[s]].forward.remote(item.id, ref, self._generation)
         item.grad_ref, item.loss_ref = last[item.route[-1]].forward_backward.remote(
-            item.id, ref, item.label, item.grad_scale, item.step
+            item.id, ref, item.label, item.grad_scale, item.step, self._generation
         )
 
     def _backward(self, item: _MicroBatch) -> None:
         if self.downstream:
             grad = item.grad_ref
             for s in range(len(self.downstream) - 2, -1, -1):
-                grad = self.downstream[s][item.route[s]].backward.remote(item.id, grad, item.step)
+                grad = self.downstream[s][item.route[s]].backward.remote(
+                    item.id, grad, item.step, self._generation
+                )
             item.grad_ref = grad
         self._bwd_q.append(item)
 
@@ -581,7 +639,10 @@ class DataWorker:
                     assert self._batch_emb_grad is not None
                     self._batch_emb_grad[item.rows] = emb_grad
                 else:
-                    self._push_refs += self.ps.push(SPARSE_TABLE, item.keys, emb_grad)
+                    self._push_refs += self.ps.push(
+                        SPARSE_TABLE, item.keys, emb_grad, (self.index, item.batch, self._generation)
+                    )
+                    self._updates += 1
                     self._settle_pushes(4 * len(self.ps.shards))
             if self._optimizer is not None and item.step:
                 self._optimizer.step()
@@ -660,12 +721,13 @@ class DataWorker:
         return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
 
     def train_state(self) -> dict[str, np.ndarray]:
-        """Sync mode, between runs: weights, optimizer state and the position in the data."""
+        """Between runs: weights, optimizer state (sync) and the position in the data."""
         return {
             **train_state_of(self.module, self.names, self._optimizer),
             "data/batch_index": np.array(self._batch_index, dtype=np.int64),
             "data/counter": np.array(self._counter, dtype=np.int64),
             "data/samples": np.array(self._samples, dtype=np.int64),
+            "data/updates": np.array(self._updates, dtype=np.int64),
         }
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> int:
@@ -679,4 +741,5 @@ class DataWorker:
         self._batch_index = skip
         self._counter = int(state["data/counter"])
         self._samples = int(state["data/samples"])
+        self._updates = int(state.get("data/updates", skip))
         return skip

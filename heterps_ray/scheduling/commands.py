@@ -78,11 +78,12 @@ def _plan(args: argparse.Namespace) -> int:
     scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s, **options)
     plan = scheduler.schedule(problem)
     print(plan.table())
-    if args.output:
-        print(f"plan written to {plan.save(args.output)}")
     if not plan.feasible:
+        # before --output is written: a plan that fails never replaces a file already there
         exact = plan.scheduler in ("exact", "brute")  # others know only the plans they tried
         _raise_infeasible(problem, args.problem, plan.best_throughput if exact else None)
+    if args.output:
+        print(f"plan written to {plan.save(args.output)}")
     return 0
 
 

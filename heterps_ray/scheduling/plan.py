@@ -136,7 +136,12 @@ class Plan:
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "<root>"
-            raise ConfigError(file, where, str(err["msg"]).lower()) from None
+            expected = str(err["msg"]).removeprefix("Input should be ").lower()
+            if err["type"] == "missing":
+                expected = "a value (the field is required)"
+            got = err.get("input")
+            got = got if isinstance(got, str | int | float | bool) and err["type"] != "missing" else None
+            raise ConfigError(file, where, expected, got) from None
         stages = tuple(
             PlanStage(
                 tuple(s.layers), s.type, s.replicas, _none_to_inf(s.stage_ms), _none_to_inf(s.throughput)

@@ -125,7 +125,7 @@ class ProblemView:
         self.ps_shards_needed = self._ps_shards_needed()
         # feature scale: the budget, or the slowest layer when there is no floor
         self.scale_ms = (
-            self.budget_ms if math.isfinite(self.budget_ms) else max(float(model._compute_safe.max()), 1e-9)
+            self.budget_ms if math.isfinite(self.budget_ms) else max(float(model.compute_safe.max()), 1e-9)
         )
         self.rate_scale = self._rate_lower_bound()
         self.reference_cost = self._reference_cost()

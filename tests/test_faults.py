@@ -1,0 +1,200 @@
+"""Faults on a real local Ray: a PS shard, a DataWorker or a StageWorker is killed mid-training (by
+`ray.kill` or by SIGKILL of its worker process); the driver re-creates it, rolls back to the newest
+checkpoint and replays. Sync mode ends with the same model as an undisturbed run and every batch
+applied exactly once on every PS shard; async mode reports the updates the restore discarded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.runtime.checkpoint import load_checkpoint
+from heterps_ray.runtime.driver import LiveActors, RunSummary, train
+from heterps_ray.runtime.faults import TooManyFaults
+from heterps_ray.scheduling.plan import Plan, load_plan
+
+REPO = Path(__file__).resolve().parents[1]
+PLANS = REPO / "configs" / "plans"
+MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
+BATCH = 64
+STEPS, EVERY = 16, 4  # batches per run, and the checkpoint interval
+KILL_AFTER = 6  # batches the PS has applied when the killer strikes: mid-chunk, after checkpoint 4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("faults") / "data"
+    synthesize(path, 2_400, seed=5, rows_per_part=1_200)  # 2,160 train rows: 33 batches of 64
+    return path
+
+
+def make_job(dataset: Path, output: Path, mode: str = "sync", **runtime) -> JobConfig:
+    return JobConfig.model_validate(
+        {
+            "name": f"faults-{mode}",
+            "model": MODEL,
+            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
+            "data": {"path": str(dataset)},
+            "batch_size": BATCH,
+            "samples": 10_000,
+            "throughput_min": 0,
+            "mode": mode,
+            "output_dir": str(output),
+            "seed": 3,
+            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": EVERY, **runtime},
+        }
+    )
+
+
+class Killer:
+    """An on_chunk hook: at the first chunk boundary it picks the victim, then a thread kills it once
+    a PS shard has applied KILL_AFTER pushes, i.e. while the DataWorkers are mid-chunk."""
+
+    def __init__(self, kind: str, method: str):
+        self.kind, self.method = kind, method
+        self.thread: threading.Thread | None = None
+        self.killed_at: int | None = None
+
+    def __call__(self, live: LiveActors) -> None:
+        if self.thread is not None:
+            return
+        victim = {
+            "ps_shard": live.shards[0],
+            "data_worker": live.data_workers[0],
+            "stage_worker": live.stage_workers[0][0],
+        }[self.kind]
+        pid = ray.get(victim.describe.remote())["pid"]
+        watched = live.shards[-1]  # never the victim: the plans here have 2 shards or kill no shard
+        self.thread = threading.Thread(target=self._strike, args=(victim, pid, watched), daemon=True)
+        self.thread.start()
+
+    def _strike(self, victim, pid: int, watched) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pushes = ray.get(watched.stats.remote())["pushes"]
+            if pushes >= KILL_AFTER:
+                break
+            time.sleep(0.002)
+        self.killed_at = pushes
+        if self.method == "ray.kill":
+            ray.kill(victim, no_restart=True)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _model(summary: RunSummary) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    ckpt = load_checkpoint(Path(summary.output_dir) / "model")
+    dense = {k: v.detach().numpy() for k, v in ckpt.net.state_dict().items()}
+    state = ckpt.table.state()
+    return dense, state
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_local, dataset, tmp_path_factory) -> RunSummary:
+    out = tmp_path_factory.mktemp("undisturbed")
+    return train(
+        make_job(dataset, out), load_plan(PLANS / "small_three_stage.json"), steps=STEPS, progress=False
+    )
+
+
+@pytest.mark.parametrize(
+    "kind,method",
+    [
+        ("ps_shard", "ray.kill"),
+        ("data_worker", "ray.kill"),
+        ("stage_worker", "sigkill"),
+        # the same recovery path again, with the other kill method: in the slow set
+        pytest.param("ps_shard", "sigkill", marks=pytest.mark.slow),
+        pytest.param("data_worker", "sigkill", marks=pytest.mark.slow),
+        pytest.param("stage_worker", "ray.kill", marks=pytest.mark.slow),
+    ],
+)
+def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
+    ray_local, dataset, tmp_path, undisturbed, kind, method
+):
+    killer = Killer(kind, method)
+    plan = load_plan(PLANS / "small_three_stage.json")  # 3 stages, 2 PS shards
+    summary = train(make_job(dataset, tmp_path), plan, steps=STEPS, progress=False, on_chunk=killer)
+
+    assert killer.killed_at is not None and killer.killed_at < STEPS
+    assert summary.steps == STEPS and summary.samples == STEPS * BATCH
+    extra = summary.extra
+    assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (STEPS, 0, 0)
+    (fault,) = extra["faults"]
+    (actor,) = fault["actors"]
+    assert actor["kind"] == kind and actor["replica"] == 0
+    assert actor["how"] == ("killed by ray.kill" if method == "ray.kill" else "its worker process died")
+    assert fault["rolled_back_to"] % EVERY == 0 and fault["rolled_back_to"] <= fault["step"]
+    assert fault["recovery_s"] > 0 and fault["batches_replayed"] >= 0
+    assert extra["restarts"] == 1
+
+    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
+    assert abs(summary.auc - undisturbed.auc) < 0.01
+    dense_a, sparse_a = _model(undisturbed)
+    dense_b, sparse_b = _model(summary)
+    for name in dense_a:
+        np.testing.assert_allclose(dense_b[name], dense_a[name], rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(sparse_b["keys"], sparse_a["keys"])
+    np.testing.assert_allclose(sparse_b["weights"], sparse_a["weights"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sparse_b["accumulators"], sparse_a["accumulators"], rtol=0, atol=1e-6)
+
+
+def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset, tmp_path, undisturbed):
+    # No checkpoints: chunks of 20 batches, and the killer strikes during the second chunk.
+    killer = Killer("stage_worker", "ray.kill")
+    job = make_job(dataset, tmp_path, checkpoint_every=0)
+    steps = 24
+    summary = train(
+        job, load_plan(PLANS / "small_three_stage.json"), steps=steps, progress=False, on_chunk=killer
+    )
+    (fault,) = summary.extra["faults"]
+    assert fault["recovery_point"] == "start" and fault["rolled_back_to"] == 0
+    assert fault["batches_replayed"] >= 20
+    assert (summary.extra["batches_applied"], summary.extra["batches_lost"]) == (steps, 0)
+    assert summary.extra["batches_duplicated"] == 0
+    np.testing.assert_allclose(summary.losses[:STEPS], undisturbed.losses, rtol=0, atol=1e-6)
+
+
+def test_more_deaths_than_max_restarts_fail_with_a_clear_error(ray_local, dataset, tmp_path):
+    killer = Killer("ps_shard", "ray.kill")
+    job = make_job(dataset, tmp_path, max_restarts=0)
+    with pytest.raises(TooManyFaults, match=r"max_restarts=0.*ps_shard"):
+        train(job, load_plan(PLANS / "small_three_stage.json"), steps=STEPS, progress=False, on_chunk=killer)
+
+
+def _async_plan() -> Plan:
+    raw = load_plan(PLANS / "small_async.json").to_dict()
+    raw["ps_shards"] = 2
+    return Plan.from_dict(raw)
+
+
+@pytest.mark.slow
+def test_async_run_restores_the_ps_snapshot_and_counts_lost_updates(ray_local, dataset, tmp_path):
+    runtime = {"max_staleness": 0, "micro_batches": 1}
+    steps = 30
+    calm = train(
+        make_job(dataset, tmp_path / "calm", "async", **runtime), _async_plan(), steps=steps, progress=False
+    )
+    killer = Killer("ps_shard", "sigkill")
+    job = make_job(dataset, tmp_path / "faulted", "async", **runtime)
+    summary = train(job, _async_plan(), steps=steps, progress=False, on_chunk=killer)
+
+    assert summary.steps == steps
+    (fault,) = summary.extra["faults"]
+    assert fault["actors"][0]["kind"] == "ps_shard"
+    # one sparse update per batch here; batches still in flight at the kill had not pushed yet
+    assert 0 <= fault["updates_lost"] <= fault["batches_replayed"]
+    assert fault["updates_lost"] + fault["batches_replayed"] > 0
+    assert fault["rolled_back_to"] % EVERY == 0
+    assert fault["recovery_point"].startswith(str(tmp_path / "faulted" / "checkpoints" / "step-"))
+    assert abs(summary.auc - calm.auc) < 0.01, (summary.auc, calm.auc)

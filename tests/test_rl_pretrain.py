@@ -1,0 +1,137 @@
+"""Pretraining across problems, scoring a policy on held-out problems, and Tune picking its settings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from heterps_ray.scheduling import get_scheduler
+from heterps_ray.scheduling.generator import generate_problem
+from heterps_ray.scheduling.rl import ProblemView, RLConfig
+from heterps_ray.scheduling.rl.policy import load_policy
+from heterps_ray.scheduling.rl.pretrain import (
+    MISSED_RATIO,
+    policy_only_score,
+    pretrain,
+    training_pool,
+    validation_problems,
+)
+from heterps_ray.scheduling.rl.scheduler import policy_rollouts, problem_fingerprint
+
+SMALL = {"layers": (3, 6), "types": (2, 3)}
+
+
+def _exact_costs(problems):
+    plans = {p.name: get_scheduler("exact").schedule(p) for p in problems}
+    return {name: float(plan.cost) if plan.feasible else None for name, plan in plans.items()}
+
+
+def test_training_pool_validation_set_and_benchmark_problems_never_overlap():
+    pool = {problem_fingerprint(p) for p in training_pool(15, seed=0)}
+    validation = {problem_fingerprint(p) for p in validation_problems(15)}
+    benchmark = {
+        problem_fingerprint(generate_problem(s, num_layers=(3, 30), num_types=(2, 5)))
+        for s in range(50)  # the benchmark set
+    }
+    assert len(pool) == len(validation) == 15 and len(benchmark) == 50
+    assert not (pool & validation) and not (pool & benchmark) and not (validation & benchmark)
+    # the same seed gives the same pool (the retrain command reproduces its problems)
+    assert [problem_fingerprint(p) for p in training_pool(3, seed=0)] == [
+        problem_fingerprint(p) for p in training_pool(15, seed=0)[:3]
+    ]
+
+
+def test_policy_only_score_is_the_best_rollout_over_the_exact_optimum():
+    problems = validation_problems(8, **SMALL)
+    exact = _exact_costs(problems)
+    exact[problems[0].name] = None  # as if no feasible plan existed: the problem is left out
+    policy = load_policy()
+    score = policy_only_score(policy, problems, exact, rollouts=8, seed=3)
+    # recompute by hand: cheapest feasible of the greedy plan and 8 samples, over the exact optimum
+    expected = []
+    for problem in problems:
+        if exact[problem.name] is None:
+            continue  # no feasible plan exists: nothing to score
+        results = policy_rollouts(policy, ProblemView(problem), 8, 3)
+        costs = [r.provisioned.cost for r in results if r.feasible]
+        expected.append(min(costs) / exact[problem.name] if costs else MISSED_RATIO)
+    assert score["problems"] == len(expected)
+    assert score["mean_ratio"] == pytest.approx(np.mean(expected), rel=1e-12)
+    assert score["median_ratio"] == pytest.approx(np.median(expected), rel=1e-12)
+    assert min(expected) >= 1.0 - 1e-9  # no plan beats the exact optimum
+    assert score["greedy_median_ratio"] >= score["median_ratio"] - 1e-12  # samples only add candidates
+
+
+def test_untrained_policy_scores_worse_than_the_shipped_one():
+    import torch
+
+    from heterps_ray.scheduling.rl import SchedulingEnv
+    from heterps_ray.scheduling.rl.module import TypeScoringModule
+
+    problems = validation_problems(12, layers=(3, 12), types=(2, 5))
+    exact = _exact_costs(problems)
+    torch.manual_seed(0)
+    observation_space, action_space = SchedulingEnv.spaces()
+    untrained = TypeScoringModule(
+        observation_space=observation_space, action_space=action_space, model_config={}
+    )
+    shipped = policy_only_score(load_policy(), problems, exact, rollouts=0)
+    random_init = policy_only_score(untrained, problems, exact, rollouts=0)
+    assert shipped["mean_ratio"] < random_init["mean_ratio"]
+
+
+def test_pretrain_runs_the_iterations_asked_and_reports_a_curve(ray_local):
+    calls = []
+    config = RLConfig(train_batch_size=64, minibatch_size=32, num_epochs=1, num_envs=2)
+    module, curve = pretrain(
+        config,
+        training_pool(4, seed=5, **SMALL),
+        seed=5,
+        iterations=2,
+        on_iteration=lambda i, m, point: calls.append((i, point["env_steps"])),
+        between_iterations=lambda: calls.append("wait"),
+    )
+    assert calls == ["wait", (1, curve[0]["env_steps"]), "wait", (2, curve[1]["env_steps"])]
+    assert [p["iteration"] for p in curve] == [1, 2]
+    assert 64 <= curve[0]["env_steps"] < curve[1]["env_steps"]
+    assert all(math.isfinite(p["episode_return_mean"]) for p in curve)
+    assert module.state_dict()  # a trained RLModule the scorer can roll out
+    with pytest.raises(ValueError, match="iterations or minutes"):
+        pretrain(config, training_pool(2, **SMALL))
+
+
+def test_tune_policy_scores_every_setting_on_the_validation_set(ray_local, tmp_path):
+    from ray import tune
+
+    from heterps_ray.experiments.tune import POLICY_METRICS, tune_policy
+
+    space = {
+        "lr": tune.loguniform(1e-4, 3e-3),
+        "train_batch_size": tune.choice([64]),
+        "minibatch_size": tune.choice([32]),
+        "num_epochs": tune.choice([1]),
+    }
+    result = tune_policy(
+        num_samples=2,
+        env_steps=128,
+        pool_size=4,
+        validation=5,
+        seed=2,
+        search_space=space,
+        base=RLConfig(train_batch_size=128, minibatch_size=64, num_epochs=1, lr=5e-4, num_envs=2),
+        storage_path=tmp_path / "tune",
+        **SMALL,
+    )
+    table = result.table
+    assert len(table) == 2 and set(POLICY_METRICS) <= set(table.columns)
+    current = table[table["current"]]
+    assert len(current) == 1 and current["lr"].iloc[0] == 5e-4  # the base config is one trial
+    assert current["iterations"].iloc[0] == 1  # 128 env steps at its 128 per iteration
+    assert table[~table["current"]]["iterations"].iloc[0] == 2  # 128 env steps at 64 per iteration
+    assert (table["mean_ratio"] >= 1.0 - 1e-9).all() and np.isfinite(table["mean_ratio"]).all()
+    assert list(table["mean_ratio"]) == sorted(table["mean_ratio"])
+    assert result.best_config["lr"] == table["lr"].iloc[0]
+    exact = _exact_costs(validation_problems(5, **SMALL))
+    assert (table["problems"] == sum(c is not None for c in exact.values())).all()
