@@ -2,10 +2,11 @@
 sync and async mode, against an undisturbed run of the same mode. Prints a Markdown table (the one
 in BENCHMARKS.md "Reliability") and writes the figures as JSON.
 
-    .venv/bin/python scripts/bench_faults.py [--steps 48] [--out runs/bench_faults]
+    .venv/bin/python scripts/bench_faults.py [--rows 100000 --steps 400 --every 50] [--out runs/bench_faults]
 
 Each faulted run kills one actor (a PS shard, the DataWorker or a StageWorker) with `ray.kill` or
-SIGKILL of its worker process, while the DataWorker is mid-chunk, after the first checkpoint.
+SIGKILL of its worker process, while the DataWorker is mid-chunk, half-way through the run (after
+at least one checkpoint).
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ class _Killer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=48, help="batches per run")
-    parser.add_argument("--every", type=int, default=8, help="checkpoint interval (batches)")
+    parser.add_argument("--rows", type=int, default=100_000, help="synthetic rows (80% train)")
+    parser.add_argument("--steps", type=int, default=400, help="batches per run")
+    parser.add_argument("--every", type=int, default=50, help="checkpoint interval (batches)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_faults")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    data = args.out / "data"
+    data = args.out / f"data-{args.rows}"
     if not (data / "meta.json").exists():
-        synthesize(data, 20_000, seed=2, rows_per_part=5_000)
+        synthesize(data, args.rows, seed=2, rows_per_part=max(args.rows // 4, 1))
     cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
     ray.init(  # an embedded local Ray declaring the cluster's resource types, as the tests' one
         address="local",
@@ -127,7 +129,7 @@ def main() -> None:
         for kind in KINDS:
             for method in METHODS:
                 _wait_quiet()
-                killer = _Killer(kind, method, after=args.every + args.every // 2)
+                killer = _Killer(kind, method, after=max(args.steps // 2, args.every + 1))
                 out = args.out / f"{mode}-{kind}-{method}"
                 t0 = time.perf_counter()
                 run = train(

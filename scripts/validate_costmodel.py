@@ -76,6 +76,9 @@ def main() -> None:
     if args.measured is not None:
         _repredict(args.measured, args.problem)
         return
+    args.output_dir = (
+        args.output_dir.resolve()
+    )  # the job file names its data; a relative path would be read from its folder
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
     import ray

@@ -8,7 +8,6 @@ import ast
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -239,7 +238,7 @@ def test_policy_weights_with_a_pickled_object_are_refused(tmp_path):
     mark = tmp_path / "ran"
     weights = torch.load(PRETRAINED_DIR / "policy.pt", weights_only=True)
     torch.save({**weights, "extra": _LeavesAMark(mark)}, policy / "policy.pt")
-    with pytest.raises((pickle.UnpicklingError, DataError), match="(?i)weights.only|policy.pt"):
+    with pytest.raises(DataError, match="policy.pt"):
         load_policy(policy)
     assert not mark.exists()
 

@@ -644,12 +644,18 @@ class _Run:
         if self.job.mode == "async":  # dense pushes of stage replicas land before the snapshot
             ray.get([w.refresh.remote() for r in self.stage_workers for w in r])
         snapshots = [s.snapshot.remote(str(tmp / _shard_file(i))) for i, s in enumerate(self.shards)]
-        owners = self._trained_actors()
-        for name, state in zip(
-            owners, ray.get([a.train_state.remote() for a in owners.values()]), strict=True
-        ):
-            write_npz_atomic(tmp / name, state)
-        ray.get(snapshots)
+        try:
+            owners = self._trained_actors()
+            for name, state in zip(
+                owners, ray.get([a.train_state.remote() for a in owners.values()]), strict=True
+            ):
+                write_npz_atomic(tmp / name, state)
+            ray.get(snapshots)
+        except BaseException:
+            # An actor died mid-checkpoint: let the live shards finish writing into `tmp` before the
+            # caller removes it, so that none of them fails on a vanished directory.
+            ray.wait(snapshots, num_returns=len(snapshots), timeout=_READY_TIMEOUT_S)
+            raise
 
     def restore(self, directory: Path) -> None:
         """Load a verified checkpoint into freshly started actors (any plan of the same model in sync

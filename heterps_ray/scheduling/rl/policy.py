@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from heterps_ray.errors import ConfigError, DataError
+
 PRETRAINED_DIR = Path(__file__).parent / "pretrained"
 _WEIGHTS, _META = "policy.pt", "policy.json"
 
@@ -37,24 +39,35 @@ def policy_metadata(directory: str | Path = PRETRAINED_DIR) -> dict[str, Any]:
 
 
 def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
-    """A TypeScoringModule with the saved weights, built for the env's spaces (no Ray needed)."""
+    """A PolicyNetwork with the saved weights, built for the env's spaces (no Ray, no RLlib)."""
     import torch
 
     from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES, SchedulingEnv
-    from heterps_ray.scheduling.rl.module import TypeScoringModule
+    from heterps_ray.scheduling.rl.network import PolicyNetwork
 
     directory = Path(directory)
     meta = policy_metadata(directory)
     # a policy reads the observation by position: it is only valid for the features it was trained on
     for key, names in (("type_features", TYPE_FEATURES), ("context_features", CONTEXT_FEATURES)):
         if key in meta and list(meta[key]) != list(names):
-            raise ValueError(
-                f"{directory}: the policy was trained on other {key}; retrain it (scripts/train_policy.py)"
+            raise ConfigError(
+                str(directory / _META),
+                key,
+                f"the features this version observes ({list(names)}); retrain the policy "
+                "(scripts/train_policy.py)",
+                list(meta[key]),
             )
-    spaces = SchedulingEnv.spaces()
-    module = TypeScoringModule(
-        observation_space=spaces[0], action_space=spaces[1], model_config={"hidden": int(meta["hidden"])}
+    observation = SchedulingEnv.spaces()[0]
+    module = PolicyNetwork(
+        observation["type_features"].shape[1], observation["context"].shape[0], int(meta["hidden"])
     )
-    module.load_state_dict(torch.load(directory / _WEIGHTS, weights_only=True))
+    try:
+        state = torch.load(directory / _WEIGHTS, weights_only=True)
+        module.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the user's file is a DataError naming it
+        # weights_only refuses pickled objects (UnpicklingError); a truncated or foreign file fails otherwise
+        raise DataError(
+            f"{directory / _WEIGHTS}: not a policy's weights (a plain tensor dict): {exc}"
+        ) from None
     module.eval()
     return module

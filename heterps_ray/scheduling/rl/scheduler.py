@@ -208,6 +208,9 @@ class RLScheduler(Scheduler):
         candidates = self._rollouts(module, view)
         if sampled is not None:
             candidates["sampled"] = sampled
+        if initial is not None:  # fine-tuning never ends worse than the policy it started from
+            for name, result in self._rollouts(initial, view).items():
+                candidates[f"pretrained-{name}"] = result
         polish_s = math.inf if budget is None else max(started + budget - time.perf_counter(), 0.0)
         plan = self._plan(view, candidates, started, info, polish_s)
         if self.checkpoint_dir is not None:
@@ -303,7 +306,7 @@ class RLScheduler(Scheduler):
         for name, assignment in view.reference_assignments.items():
             candidates.setdefault(f"reference:{name}", view.record(assignment))
         policy_best = None
-        for name in ("greedy", "rollouts", "sampled", "trained"):
+        for name in ("greedy", "rollouts", "sampled", "trained", "pretrained-greedy", "pretrained-rollouts"):
             if name in candidates and better(policy_best, candidates[name]):
                 policy_best = candidates[name]
         if self.config.polish:
@@ -372,7 +375,6 @@ def greedy_rollout(module: Any, view: ProblemView) -> EpisodeResult:
 def policy_rollouts(module: Any, view: ProblemView, samples: int, seed: int = 0) -> list[EpisodeResult]:
     """The greedy episode, then `samples` episodes drawn from the policy; all played in lockstep."""
     import torch
-    from ray.rllib.core.columns import Columns
 
     envs = [SchedulingEnv({"problems": [view.problem]}) for _ in range(samples + 1)]
     observations = [env.reset(options={"problem": view})[0] for env in envs]
@@ -380,7 +382,7 @@ def policy_rollouts(module: Any, view: ProblemView, samples: int, seed: int = 0)
     with torch.no_grad():
         for _ in range(view.num_layers):  # every episode has one step per layer
             batch = {k: torch.as_tensor(np.stack([o[k] for o in observations])) for k in observations[0]}
-            logits = module.forward_inference({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS]
+            logits = module.logits(batch)  # a PolicyNetwork or the trained TypeScoringModule
             probabilities = torch.softmax(logits.double(), dim=-1).numpy()
             actions = [int(np.argmax(probabilities[0]))]
             actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[1:]]
