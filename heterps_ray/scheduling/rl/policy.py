@@ -57,7 +57,7 @@ def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
                 "(scripts/train_policy.py)",
                 list(meta[key]),
             )
-    observation = SchedulingEnv.spaces()[0]
+    observation: Any = SchedulingEnv.spaces()[0]
     module = PolicyNetwork(
         observation["type_features"].shape[1], observation["context"].shape[0], int(meta["hidden"])
     )
