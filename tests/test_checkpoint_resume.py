@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_BATCH, TINY_MODEL, tiny_sync_job
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import JobConfig
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
 from heterps_ray.runtime.checkpoint import (
@@ -27,8 +28,7 @@ from heterps_ray.scheduling.plan import load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
-MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
-BATCH = 64
+MODEL, BATCH = TINY_MODEL, TINY_BATCH
 TOTAL, STOP = 12, 6  # batches of the whole run, and where the interrupted run stops
 
 
@@ -109,24 +109,6 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
-def make_job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "name": "resume-test",
-            "model": MODEL,
-            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-            "data": {"path": str(dataset)},
-            "batch_size": BATCH,
-            "samples": 2_000,
-            "throughput_min": 0,
-            "mode": "sync",
-            "output_dir": str(output),
-            "seed": 7,
-            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": checkpoint_every},
-        }
-    )
-
-
 def _model_arrays(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     ckpt = load_checkpoint(run_dir / "model")
     dense = {k: v.detach().numpy() for k, v in ckpt.net.state_dict().items()}
@@ -140,10 +122,10 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset,
     from heterps_ray.cli import main
 
     plan = load_plan(PLAN)
-    whole = train(make_job(dataset, tmp_path / "whole"), plan, steps=TOTAL, progress=False)
+    whole = train(_job(dataset, tmp_path / "whole"), plan, steps=TOTAL, progress=False)
 
     run_dir = tmp_path / "resumed"
-    first = train(make_job(dataset, run_dir, checkpoint_every=STOP), plan, steps=STOP, progress=False)
+    first = train(_job(dataset, run_dir, checkpoint_every=STOP), plan, steps=STOP, progress=False)
     assert first.extra["checkpoints"] == [str(run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}")]
     manifest = json.loads((run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}" / MANIFEST).read_text())
     assert manifest["step"] == STOP and manifest["samples"] == STOP * BATCH
@@ -161,7 +143,7 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset,
 
     # a previous run is refused without --resume, and the refusal destroys nothing
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(make_job(dataset, run_dir, checkpoint_every=STOP).model_dump_json())
+    job_file.write_text(_job(dataset, run_dir, checkpoint_every=STOP).model_dump_json())
     argv = ["train", str(job_file), "--plan", str(PLAN), "--steps", str(TOTAL), "--no-progress"]
     assert main(argv) == 2
     assert (run_dir / CHECKPOINTS_DIR / f"step-{STOP:08d}" / MANIFEST).exists()
@@ -196,8 +178,12 @@ def test_resume_of_a_directory_without_a_checkpoint_exits_2(ray_local, dataset, 
     from heterps_ray.cli import main
 
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(make_job(dataset, tmp_path / "empty").model_dump_json())
+    job_file.write_text(_job(dataset, tmp_path / "empty").model_dump_json())
     code = main(["train", str(job_file), "--plan", str(PLAN), "--steps", "2", "--no-progress", "--resume"])
     assert code == 2
     assert "no checkpoint to resume from" in capsys.readouterr().err
     assert not (tmp_path / "empty" / SUMMARY_FILE).exists()
+
+
+def _job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
+    return tiny_sync_job("resume-test", dataset, output, checkpoint_every)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,9 @@ import numpy as np
 import psutil
 import pytest
 import yaml
+from helpers import TINY_BATCH, TINY_MODEL, free_ports, tiny_sync_job
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import load_problem
 from heterps_ray.errors import InfeasibleError
 from heterps_ray.runtime.checkpoint import load_checkpoint
@@ -30,8 +30,7 @@ from heterps_ray.scheduling.plan import Plan, load_plan
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"
 SCRIPT = REPO / "scripts" / "ray_cluster.sh"
-MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
-BATCH = 64
+MODEL, BATCH = TINY_MODEL, TINY_BATCH
 TOTAL, STOP = 12, 6
 
 
@@ -63,34 +62,16 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
-def make_job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "name": "elastic-test",
-            "model": MODEL,
-            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-            "data": {"path": str(dataset)},
-            "batch_size": BATCH,
-            "samples": 2_000,
-            "throughput_min": 0,
-            "mode": "sync",
-            "output_dir": str(output),
-            "seed": 7,
-            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": checkpoint_every},
-        }
-    )
-
-
 def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(ray_local, dataset, tmp_path):
     three_stages = load_plan(PLANS / "small_three_stage.json")  # 3 stages, 2 PS shards
     raw = load_plan(PLANS / "small_two_stage.json").to_dict()  # 2 stages on cpu_big
     raw["ps_shards"] = 3
     two_stages = Plan.from_dict(raw)
-    whole = train(make_job(dataset, tmp_path / "whole"), three_stages, steps=TOTAL, progress=False)
+    whole = train(_job(dataset, tmp_path / "whole"), three_stages, steps=TOTAL, progress=False)
     run_dir = tmp_path / "replanned"
-    train(make_job(dataset, run_dir, checkpoint_every=STOP), three_stages, steps=STOP, progress=False)
+    train(_job(dataset, run_dir, checkpoint_every=STOP), three_stages, steps=STOP, progress=False)
     resumed = train(
-        make_job(dataset, run_dir, checkpoint_every=STOP),
+        _job(dataset, run_dir, checkpoint_every=STOP),
         two_stages,
         steps=TOTAL,
         progress=False,
@@ -111,17 +92,6 @@ def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(ray
 
 
 # -- a real second node that leaves ---------------------------------------------------------------
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _stop_node(ray_tmp: str) -> int:
@@ -170,7 +140,7 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
     head_tmp = tempfile.mkdtemp(prefix="hps_h_", dir="/tmp")  # short: Ray's socket paths live under it
     node_tmp = tempfile.mkdtemp(prefix="hps_w_", dir="/tmp")
     work = Path(tempfile.mkdtemp(prefix="hps_elastic_"))
-    head_port, dashboard_port, *agent_ports = _free_ports(6)
+    head_port, dashboard_port, *agent_ports = free_ports(6)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMP=head_tmp, HEAD_PORT=str(head_port), DASHBOARD_PORT=str(dashboard_port), NUM_CPUS="2")
     env["RAY_AUTH_MODE"] = "token"  # the head keeps token authentication on; the node and driver use it
@@ -284,3 +254,7 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(head_tmp, ignore_errors=True)
         shutil.rmtree(node_tmp, ignore_errors=True)
+
+
+def _job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
+    return tiny_sync_job("elastic-test", dataset, output, checkpoint_every)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,23 +20,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from helpers import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "ray_cluster.sh"
 JOB_NAME = "ray-jobs-smoke"
 SUBMIT_TRIES = 4  # the job API can answer before the dashboard agent that runs jobs is up
 AGENT_NOT_READY = ("No available agent", "agent is not available", "Failed to connect")
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _cluster_sh(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -107,7 +96,7 @@ def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
     # Short temp dir: Ray's socket paths live under it and must stay under ~107 characters.
     ray_tmp = tempfile.mkdtemp(prefix="hps_", dir="/tmp")
     work = Path(tempfile.mkdtemp(prefix="hps_jobs_"))
-    head_port, dashboard_port = _free_ports(2)
+    head_port, dashboard_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMP=ray_tmp, HEAD_PORT=str(head_port), DASHBOARD_PORT=str(dashboard_port), NUM_CPUS="2")
     output_dir = work / "out"
