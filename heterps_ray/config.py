@@ -49,6 +49,12 @@ class ResourceType(BaseModel):
     bandwidth_gbps: float = Field(10.0, gt=0)
     io_bandwidth_gbps: float | None = Field(None, gt=0)
     latency_ms: float = Field(0.0, ge=0)
+    omp_wait_policy: Literal["passive", "active"] = Field(
+        "passive",
+        description="how torch's OpenMP threads wait between parallel regions: passive sleeps (where actors "
+        "share cores, a spinning thread takes a neighbour's core), active spins (least latency on cores "
+        "of its own)",
+    )
 
     @field_validator("ray_resources")
     @classmethod
@@ -66,6 +72,8 @@ class ResourceType(BaseModel):
             "num_cpus": self.ray_resources.get("CPU", 0.0),
             "num_gpus": self.num_gpus,
             "resources": resources,
+            # merged with the job's runtime_env by Ray (env_vars add up)
+            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}},
         }
 
 

@@ -43,7 +43,7 @@ class RunReport:
     scheduler: str
     plan: str  # one line: stages as layers@type x replicas
     predicted_throughput: float  # samples/s, from the fitted cost model
-    achieved_throughput: float  # samples/s, measured by the runtime
+    achieved_throughput: float  # samples/s, measured by the runtime (after its warm-up chunk)
     cost_rate: float  # $/hour of the plan's actors
     projected_cost: float  # $ to train job.samples at the achieved throughput
     predicted_cost: float  # $ to train job.samples at the predicted throughput
@@ -187,7 +187,8 @@ def run_job(
         if owns_ray:
             ray.shutdown()
 
-    achieved = summary.throughput
+    # a long run's rate: the warm-up (first calls, first data chunk) is a one-time cost
+    achieved = summary.steady_throughput or summary.throughput
     hours = lambda throughput: job.samples / throughput / 3600.0 if throughput > 0 else float("inf")  # noqa: E731
     report = RunReport(
         job=job.name,

@@ -57,6 +57,10 @@ def test_local_cluster_declares_two_cpu_types_with_different_threads():
     assert len(threads) == 2 and len(set(threads.values())) == 2
     opts = cluster.type("cpu_big").actor_options()
     assert opts["resources"] == {"cpu_big": 1.0} and opts["num_gpus"] == 0
+    # torch's OpenMP threads sleep while waiting: the two types share the machine's cores
+    assert opts["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    spinning = cluster.type("cpu_big").model_copy(update={"omp_wait_policy": "active"})
+    assert spinning.actor_options()["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 @pytest.mark.parametrize(

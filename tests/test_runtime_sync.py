@@ -13,7 +13,7 @@ from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.runtime.checkpoint import load_checkpoint
-from heterps_ray.runtime.driver import SUMMARY_FILE, train
+from heterps_ray.runtime.driver import SUMMARY_FILE, steady_rate, train
 from heterps_ray.runtime.reference import ReferenceTrainer
 from heterps_ray.scheduling.plan import load_plan
 
@@ -95,6 +95,17 @@ def test_sync_three_stages_match_reference_losses_and_auc(three_stage_run, refer
     assert summary["throughput"] > 0 and summary["seconds"] > 0
 
 
+def test_steady_rate_leaves_the_warm_up_chunk_out(three_stage_run):
+    summary, _, _ = three_stage_run
+    chunks = summary["extra"]["chunks"]
+    assert len(chunks) == STEPS // 20  # the driver runs 20 batches per chunk
+    later = chunks[1:]
+    assert summary["steady_throughput"] == pytest.approx(sum(c[0] for c in later) / sum(c[1] for c in later))
+    assert summary["throughput"] == pytest.approx(summary["samples"] / summary["seconds"])
+    assert steady_rate([(640, 1.0), (640, 0.5)]) is None  # too short to tell warm-up from steady
+    assert steady_rate([(640, 4.0), (640, 0.5), (1280, 0.5)]) == pytest.approx(1920.0)
+
+
 def test_saved_model_predicts_like_the_run(three_stage_run, reference):
     summary, output, _ = three_stage_run
     ckpt = load_checkpoint(output / "model")
@@ -125,6 +136,7 @@ def test_stages_land_on_their_resource_types(three_stage_run):
     shards = by_role[("ps", None)]
     assert len(shards) == 2 and all(s["resources"].get("cpu_small") == 1.0 for s in shards)
     assert len({data["pid"], fc["pid"], tail["pid"], *(s["pid"] for s in shards)}) == 5  # separate processes
+    assert {p["omp_wait_policy"] for p in summary["placement"]} == {"PASSIVE"}  # the types' runtime_env
 
 
 @pytest.mark.parametrize("num_shards", [1, 4])

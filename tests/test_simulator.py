@@ -90,6 +90,46 @@ def test_latency_in_flight_delays_a_sync_batch_but_occupies_no_actor():
     assert flight.utilisation[1] < busy.utilisation[1]
 
 
+@pytest.mark.parametrize(("assignment", "calls"), [(["a", "b", "b"], 1), (["a", "b", "a"], 3)])
+def test_call_overhead_is_spent_by_the_receiving_stage_on_each_call(assignment, calls):
+    problem = _problem()
+    plan, _ = _plan(problem, assignment, [1] * len(CostModel(problem).split_stages(assignment)))
+    slow = problem.model_copy(
+        update={"resources": tuple(r.model_copy(update={"call_overhead_ms": 2.0}) for r in problem.resources)}
+    )
+    base = simulate(problem, plan, batches=20, mode="sync")
+    charged = simulate(slow, plan, batches=20, mode="sync")
+    # sync runs one batch at a time: each StageWorker call (forward, backward, forward_backward) of
+    # each batch is 2 ms longer; the DataWorker receives no calls
+    assert charged.makespan_ms - base.makespan_ms == pytest.approx(20 * calls * 2.0, rel=1e-6)
+    spans = charged.spans
+    assert (
+        spans[spans["stage"] == 0]["end_ms"] - spans[spans["stage"] == 0]["start_ms"]
+    ).sum() == pytest.approx(
+        (
+            base.spans[base.spans["stage"] == 0]["end_ms"] - base.spans[base.spans["stage"] == 0]["start_ms"]
+        ).sum()
+    )
+
+
+def test_a_stage_shares_its_layers_fixed_costs():
+    problem = _problem()
+    plan, _ = _plan(problem, ["a", "a", "a"], [1])
+    fused = problem.model_copy(
+        update={"resources": tuple(r.model_copy(update={"fused_saving_ms": 0.1}) for r in problem.resources)}
+    )
+    base = simulate(problem, plan, batches=20, mode="sync", ps_limit=False)
+    less = simulate(fused, plan, batches=20, mode="sync", ps_limit=False)
+    # one stage of three layers: two of them 0.1 ms cheaper, every batch
+    assert base.makespan_ms - less.makespan_ms == pytest.approx(20 * 2 * 0.1, rel=1e-6)
+    # never below its slowest layer alone
+    huge = problem.model_copy(
+        update={"resources": tuple(r.model_copy(update={"fused_saving_ms": 1e6}) for r in problem.resources)}
+    )
+    slowest = max(layer.time_ms["a"].fixed + layer.time_ms["a"].per_sample * B for layer in problem.layers)
+    assert simulate(huge, plan, batches=1, ps_limit=False).stages[0].forward_ms == pytest.approx(slowest / 3)
+
+
 def test_replicas_scale_as_amdahl_says():
     problem = _problem(alphas=(0.8, 0.8, 0.8))
     plan, analytic = _plan(problem, ["a", "a", "a"], [4])

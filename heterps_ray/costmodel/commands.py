@@ -90,6 +90,12 @@ def _simulate(args: argparse.Namespace) -> int:
             f"host {host.name}: {host.cores:g} cores shared by {', '.join(host.types)} "
             f"({host.background_cores:g} taken by background load); busy actors share them by their threads"
         )
+    for rtype in problem.resources:
+        if rtype.call_overhead_ms or rtype.fused_saving_ms:
+            print(
+                f"type {rtype.name}: {rtype.call_overhead_ms:g} ms per call a stage receives; a stage's layers "
+                f"after its first {rtype.fused_saving_ms:g} ms cheaper each"
+            )
     header = f"{'stage':<6} {'type':<12} {'replicas':>8} {'utilisation':>11} {'mean queue':>10} {'max queue':>9} {'analytic (samples/s)':>21}"
     print(header)
     print("-" * len(header))

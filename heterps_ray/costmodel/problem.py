@@ -42,6 +42,18 @@ class Resource(BaseModel):
     threads: int | None = Field(
         None, ge=1, description="cores a busy actor of this type keeps busy (torch threads; default 1)"
     )
+    call_overhead_ms: float = Field(
+        0.0,
+        ge=0,
+        description="an actor's own time per call it receives besides its layers (Ray deserialising the "
+        "arguments, storing the result), ms",
+    )
+    fused_saving_ms: float = Field(
+        0.0,
+        ge=0,
+        description="per layer after a stage's first: the fixed time a layer alone pays (its own autograd "
+        "pass and optimizer step) that a stage of several layers pays once, ms",
+    )
 
     @property
     def io_gbps(self) -> float:

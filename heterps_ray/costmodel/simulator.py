@@ -17,9 +17,11 @@ Where the analytic model (DESIGN.md §3) takes the slowest stage, this plays the
   backward of a stage also pushes its dense gradients to a PS shard (waiting for the previous push).
 
 Times come from the problem: a layer takes ``fixed + per_sample · b`` ms at micro-batch size ``b``
-(split forward/backward by `forward_fraction`); each side of a boundary spends ``bytes / bandwidth``
+(split forward/backward by `forward_fraction`), and a stage of ``n`` layers ``(n-1) · fused_saving_ms``
+less (one module: one autograd pass, one optimizer step); each side of a boundary spends ``bytes / bandwidth``
 per message, and the message's latency (both ends) passes in flight before the call it feeds can start
-(``latency_in_flight=False``: spent on both actors instead, as DESIGN.md §3 charges it); a DataWorker
+(``latency_in_flight=False``: spent on both actors instead, as DESIGN.md §3 charges it); a StageWorker
+also spends its type's ``call_overhead_ms`` on every call it receives; a DataWorker
 reads ``input_bytes_per_sample · B`` at its io bandwidth per batch. With ``n`` replicas of a stage busy
 at once a call takes ``1 + (n-1)(1-α)`` times longer: Amdahl's law of DESIGN.md §3 when all replicas
 are busy.
@@ -74,6 +76,7 @@ class StageModel:
     host: int | None = None  # index of the shared host it runs on (None: cores of its own)
     call_cpu_ms: float = 0.0  # shared host: CPU of Ray's own processes per call on a replica
     in_flight_ms: float = 0.0  # a message's latency at this end, spent in flight (not on the actor)
+    call_ms: float = 0.0  # a StageWorker's own time per call it receives (Ray's argument/result work)
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,8 @@ def pipeline_model(
         rtype = problem.resource(raw["type"])
         idx = stage_layers[s]
         times = [_layer_ms(layers[i], rtype.name, b) for i in idx]
-        compute = float(sum(times))
+        # the stage runs its layers as one module: their fixed costs are partly shared
+        compute = max(float(sum(times)) - (len(idx) - 1) * rtype.fused_saving_ms, max(times))
         alphas = [layers[i].parallel_fraction for i in idx]
         alpha = float(np.average(alphas, weights=times)) if compute > 0 else 1.0
         recv = message_ms(stage_layers[s - 1][-1], rtype) if s > 0 else 0.0
@@ -252,6 +256,7 @@ def pipeline_model(
                 host=_host_index(problem, rtype.name),
                 call_cpu_ms=_call_cpu_ms(problem, rtype),
                 in_flight_ms=rtype.latency_ms if latency_in_flight else 0.0,
+                call_ms=rtype.call_overhead_ms,
             )
         )
     rows = b * sum(layer.sparse_rows_per_sample for layer in layers)
@@ -711,7 +716,8 @@ class _Simulation:
             st = self.stages[s]
             last = s == self.n - 1
             ms = (
-                st.recv_forward_ms
+                st.call_ms
+                + st.recv_forward_ms
                 + st.forward_ms
                 + (st.backward_ms + st.send_backward_ms if last else st.send_forward_ms)
             )
@@ -733,7 +739,7 @@ class _Simulation:
         """Submit the backward calls of the middle stages, last to first (no waiting here)."""
         for s in range(self.n - 2, 0, -1):
             st = self.stages[s]
-            ms = st.recv_backward_ms + st.backward_ms + st.send_backward_ms
+            ms = st.call_ms + st.recv_backward_ms + st.backward_ms + st.send_backward_ms
             out = _Event()
             needs = self.engine.after(item.grad, self._flight(item.grad_from, s))
             self._submit(

@@ -39,7 +39,9 @@ from heterps_ray.errors import DataError
 #             machine of a type's actor: Ray node id in `peer`, its cores in `rows`, and the CPU ms
 #             other processes used there, `client_ms`, in a window of `ms` while the profile idled),
 #             "call_cpu" (`calls` small actor calls in `ms`, while the node's raylet used `client_ms`
-#             of CPU: Ray's own work per call)
+#             of CPU: Ray's own work per call), "call" (`calls` calls carrying `nbytes` and returning
+#             as much, 4 in flight, received by an actor of `resource` in `ms`: its own work per call),
+#             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer")
 #   forward_ms / backward_ms   layer: forward / backward + optimizer step; ps: pull / push
 #   client_ms  ps: the push's work in the client (de-duplicating keys, summing gradients);
 #              input: opening the dataset on a worker (imports on its first call: a one-time cost)
@@ -187,7 +189,8 @@ def fit_problem(
             ]
             if sel.empty:
                 continue
-            means = sel.groupby("batch_size")["ms"].mean()
+            # the median of the repeats: a burst of load on a shared machine hits some rounds, not all
+            means = sel.groupby("batch_size")["ms"].median()
             fit = fit_line(means.index.to_numpy(dtype=float), means.to_numpy())
             fixed, per_sample = clamp_non_negative(fit)
             time_ms[rtype.name] = {"fixed": _round(fixed), "per_sample": _round(per_sample)}
@@ -232,6 +235,19 @@ def fit_problem(
             row = _quality_row("transfer", "", rtype.name, fit, lat, ms_per_byte, "byte")
             row["bandwidth_gbps"] = bandwidth
             rows.append(row)
+        fused_saving = _fused_saving(measurements, rtype.name, layers, layer_entries)
+        if fused_saving is not None:
+            rows.append({"what": "stage", "layer": "", "resource": rtype.name, "fixed_ms": fused_saving,
+                         "flags": ""})  # fmt: skip
+        call_overhead = None
+        sel = measurements[(measurements["kind"] == "call") & (measurements["resource"] == rtype.name)]
+        if not sel.empty:
+            # The per-byte part is the bandwidth's (above); what a call costs the receiving actor at
+            # any size is the intercept.
+            per_call = (sel["ms"] / sel["calls"]).groupby(sel["nbytes"]).mean()
+            fit = fit_line(per_call.index.to_numpy(dtype=float), per_call.to_numpy())
+            call_overhead, per_byte = clamp_non_negative(fit)
+            rows.append(_quality_row("call", "", rtype.name, fit, call_overhead, per_byte, "byte"))
         io = float(rtype.io_bandwidth_gbps or rtype.bandwidth_gbps)
         sel = measurements[(measurements["kind"] == "input") & (measurements["resource"] == rtype.name)]
         if len(sel) > 1:
@@ -263,6 +279,8 @@ def fit_problem(
                 "latency_ms": _round(latency),
                 "device": rtype.device,
                 "threads": int(rtype.torch_threads),
+                **({"call_overhead_ms": _round(call_overhead)} if call_overhead is not None else {}),
+                **({"fused_saving_ms": _round(fused_saving)} if fused_saving is not None else {}),
             }
         )
 
@@ -408,6 +426,24 @@ def _shared_hosts(measurements: pd.DataFrame) -> list[dict[str, Any]]:
             host["call_cpu_ms"] = _round(float(daemons))
         hosts.append(host)
     return hosts
+
+
+def _fused_saving(
+    measurements: pd.DataFrame, resource: str, layers: Sequence[LayerInfo], fitted: list[dict[str, Any]]
+) -> float | None:
+    """ms each layer after a stage's first saves by running in one module with the others (one
+    autograd pass, one optimizer step) instead of alone: (sum of the layers alone - the whole model)
+    / (layers - 1), averaged over batch sizes; at most the layers' mean fitted fixed time."""
+    whole = measurements[(measurements["kind"] == "stage") & (measurements["resource"] == resource)]
+    alone = measurements[(measurements["kind"] == "layer") & (measurements["resource"] == resource)]
+    if whole.empty or len(layers) < 2:
+        return None
+    summed = alone.groupby(["batch_size", "layer"])["ms"].median().groupby("batch_size").sum()
+    saving = (summed - whole.groupby("batch_size")["ms"].median()).dropna() / (len(layers) - 1)
+    if saving.empty:
+        return None
+    fixed = [e["time_ms"][resource]["fixed"] for e in fitted if resource in e["time_ms"]]
+    return float(min(max(saving.mean(), 0.0), float(np.mean(fixed))))
 
 
 def _nearest(measurements: pd.DataFrame, batch_size: int) -> int:

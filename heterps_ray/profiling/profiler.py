@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +63,8 @@ class ProfileSettings:
     """how long each type's first actor watches its machine's CPU use while idle (background load)"""
     host_calls: int = 200
     """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
+    call_count: int = 60
+    """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
     seed: int = 0
     progress: bool = True
 
@@ -79,6 +82,7 @@ class ProfileSettings:
             "input_rows": 2048,
             "host_window_s": 0.3,
             "host_calls": 50,
+            "call_count": 20,
         }
         return cls(**{**fields, **overrides})
 
@@ -134,6 +138,9 @@ class LayerProfiler:
         self.device = torch.device("cuda" if want_cuda else "cpu")
         self.spec = build_model(ModelConfig(**model))
         self.layers = [self.spec.build(i, i + 1, seed).to(self.device) for i in range(self.spec.num_layers)]
+        # index len(layers): the whole model as one stage (one autograd pass, one optimizer step), as a
+        # StageWorker runs its layers; against the layers alone it shows the fixed time a stage shares
+        self.layers.append(self.spec.build(0, self.spec.num_layers, seed).to(self.device))
         self.optimizers = [
             torch.optim.Adam(layer.parameters(), lr=1e-3) if any(True for _ in layer.parameters()) else None
             for layer in self.layers
@@ -150,8 +157,8 @@ class LayerProfiler:
         }
 
     def time_layers(self, items: list[tuple[int, int]], warmup: int, seed: int) -> list[tuple[float, float]]:
-        """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item,
-        in a shuffled order (so a burst of noise from elsewhere does not hit one item's repeats)."""
+        """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item
+        (index num_layers: the whole model as one stage), in a shuffled order (so a burst of noise from elsewhere does not hit one item's repeats)."""
         for index, batch_size in items:
             for _ in range(warmup):
                 self._step(index, batch_size)
@@ -222,6 +229,24 @@ class LayerProfiler:
     def receive(self, payload: np.ndarray) -> int:
         return int(payload[-1] > 0) + int(payload.nbytes)
 
+    def call_rate(self, peer: Any, nbytes: int, calls: int, window: int = 4) -> float:
+        """ms for `calls` calls of `peer.echo` carrying `nbytes` each, `window` in flight, so the peer
+        is never idle: its own work per call received (Ray deserialising the argument, running the
+        task, storing an as large result), as a StageWorker's calls cost it besides its layers."""
+        payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+        ray.get(peer.echo.remote(payload))
+        pending: deque[Any] = deque()
+        start = time.perf_counter()
+        for _ in range(calls):
+            if len(pending) >= window:
+                ray.get(pending.popleft())
+            pending.append(peer.echo.remote(payload))
+        ray.get(list(pending))
+        return (time.perf_counter() - start) * 1000.0
+
+    def echo(self, payload: np.ndarray) -> np.ndarray:
+        return np.empty_like(payload)  # a result as large as the argument, like a stage's activations
+
     def ps_round_trips(
         self, shards: list[Any], batches: list[np.ndarray], dim: int
     ) -> tuple[float, float, float]:
@@ -280,7 +305,7 @@ class LayerProfiler:
 
     def _step(self, index: int, batch_size: int) -> tuple[float, float]:
         torch = self._torch
-        inputs = self._layer_inputs(batch_size)[index]
+        inputs = self._layer_inputs(batch_size)[0 if index == self.spec.num_layers else index]
         for x in inputs:
             x.grad = None
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -313,7 +338,7 @@ class LayerProfiler:
             )
             inputs = []
             with torch.no_grad():
-                for layer in self.layers:
+                for layer in self.layers[: spec.num_layers]:
                     x = tuple(t.to(self.device) for t in x)
                     inputs.append(tuple(_leaf(t) for t in x))
                     x = layer(x)
@@ -324,8 +349,19 @@ class LayerProfiler:
 def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResult:
     """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file."""
     settings = settings or ProfileSettings()
+    return fit_runs(job, [measure(job, build_model(job.model), settings)], settings)
+
+
+def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) -> FitResult:
+    """Fit one problem from one or more profiles of `job` (their measurements together: profiles
+    taken before and after something average the machine's speed over it)."""
     spec = build_model(job.model)
-    run = measure(job, spec, settings)
+    frames, offset = [], 0
+    for run in runs:  # repeats numbered on across profiles (the fits read the first one as cold)
+        frame = run.measurements.copy()
+        frame["repeat"] = frame["repeat"] + offset
+        offset = int(frame["repeat"].max()) + 1 if frame["repeat"].notna().any() else offset
+        frames.append(frame)
     layers = [
         LayerInfo(
             layer.name,
@@ -337,7 +373,7 @@ def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResul
         for layer in spec.layers
     ]
     result = fit_problem(
-        run.measurements,
+        pd.concat(frames, ignore_index=True),
         cluster=job.cluster,
         layers=layers,
         batch_size=job.batch_size,
@@ -347,11 +383,13 @@ def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResul
         input_bytes_per_sample=spec.input_bytes_per_sample,
     )
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in run.actors})
+    devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in runs[0].actors})
     notes = [
         f"measured {stamp} by `heterps profile` ({job.name}): batch sizes {list(settings.batch_sizes)}, "
-        f"{settings.warmup} warm-up + {settings.repeats} repeats (mean); actors {'; '.join(devices)}",
-        *run.notes,
+        f"{settings.warmup} warm-up + {settings.repeats} repeats (median)"
+        + (f" in each of {len(runs)} profiles" if len(runs) > 1 else "")
+        + f"; actors {'; '.join(devices)}",
+        *(note for run in runs for note in run.notes),
     ]
     if result.flags:
         notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
@@ -396,7 +434,7 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     total = (
         len(present) * (settings.repeats + spec.num_layers)
         + len(present) * len(present) * len(settings.transfer_bytes)
-        + 3
+        + 4
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
     try:
@@ -407,6 +445,9 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
                 rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings)
                 bar.update()
         rows += _transfer_runs(present, actors, settings, bar, notes)
+        bar.set_postfix_str("actors' own work per call")
+        rows += _call_runs(present, actors, settings, notes)
+        bar.update()
         bar.set_postfix_str("PS shard")
         rows += _ps_runs(job, spec, present, actors, settings)
         bar.update()
@@ -435,16 +476,17 @@ def _layer_rounds(
     group: list[Any], rtype: ResourceType, spec: ModelSpec, settings: ProfileSettings, bar: Any
 ) -> list[_Row]:
     """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor."""
-    items = [(i, b) for i in range(spec.num_layers) for b in settings.batch_sizes]
+    items = [(i, b) for i in range(spec.num_layers + 1) for b in settings.batch_sizes]  # + the whole model
     rows = []
     for rep in range(settings.repeats):
         bar.set_postfix_str(f"{rtype.name} layers, round {rep + 1}/{settings.repeats}")
         warmup = settings.warmup if rep == 0 else 0
         timed = ray.get(group[0].time_layers.remote(items, warmup, settings.seed + rep))
         for (index, batch_size), (fwd, bwd) in zip(items, timed, strict=True):
+            whole = index == spec.num_layers
             rows.append(
-                _Row("layer", rtype.name, layer=spec.layers[index].name, batch_size=batch_size, repeat=rep,
-                     forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
+                _Row("stage" if whole else "layer", rtype.name, layer="" if whole else spec.layers[index].name,
+                     batch_size=batch_size, repeat=rep, forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
             )  # fmt: skip
         bar.update()
     return rows
@@ -497,6 +539,25 @@ def _transfer_runs(
                         _Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
                     )
                 bar.update()
+    return rows
+
+
+def _call_runs(
+    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings, notes: list[str]
+) -> list[_Row]:
+    """Per type: its first actor kept busy with calls from another actor (its second, else one of
+    another type), at each message size; a row per size with `calls` in `ms`."""
+    rows = []
+    everyone = [a for group in actors.values() for a in group]
+    for rtype in present:
+        callee = actors[rtype.name][0]
+        caller = next((a for a in actors[rtype.name][1:] + everyone if a is not callee), None)
+        if caller is None:
+            notes.append(f"a single actor: {rtype.name}'s own work per call not measured")
+            continue
+        for nbytes in settings.transfer_bytes:
+            ms = ray.get(caller.call_rate.remote(callee, nbytes, settings.call_count))
+            rows.append(_Row("call", rtype.name, nbytes=nbytes, calls=settings.call_count, ms=ms))
     return rows
 
 

@@ -305,6 +305,7 @@ def _placement(**fields: Any) -> dict[str, Any]:
         "node_id": ctx.get_node_id(),
         "actor_id": ctx.get_actor_id(),
         "resources": ctx.get_assigned_resources(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 

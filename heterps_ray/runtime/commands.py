@@ -75,6 +75,8 @@ def _train(args: argparse.Namespace) -> int:
         f"trained {summary.steps} batches ({summary.samples:,} samples) in {summary.seconds:.1f} s: "
         f"{summary.throughput:,.0f} samples/s, busy {busy}"
     )
+    if summary.steady_throughput is not None:
+        print(f"after the first chunk (warm-up): {summary.steady_throughput:,.0f} samples/s")
     if "resumed_from" in summary.extra:
         print(f"resumed from {summary.extra['resumed_from']['checkpoint']}")
     for fault in summary.extra.get("faults", []):

@@ -99,12 +99,23 @@ class RunSummary:
     ps: list[dict[str, Any]]
     output_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # samples/s after the first chunk (first calls, first data chunk read); None under 3 chunks
+    steady_throughput: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(asdict(self)), indent=2)
 
     def save(self, path: str | Path) -> Path:
         return write_bytes_atomic(path, (self.to_json() + "\n").encode())
+
+
+def steady_rate(chunks: list[tuple[int, float]]) -> float | None:
+    """Samples/s over the chunks after the first: the rate a long run sustains, without the warm-up
+    (actors' first calls, the first data chunk read). None with fewer than 3 chunks."""
+    if len(chunks) < 3:
+        return None
+    samples, seconds = sum(c[0] for c in chunks[1:]), sum(c[1] for c in chunks[1:])
+    return samples / seconds if seconds > 0 else None
 
 
 def train(
@@ -175,6 +186,7 @@ def train(
             samples=history["samples"],
             seconds=history["seconds"],
             throughput=history["samples"] / history["seconds"] if history["seconds"] > 0 else 0.0,
+            steady_throughput=steady_rate(history["chunks"]),
             losses=history["losses"],
             auc=metrics.get("auc"),
             logloss=metrics.get("logloss"),

@@ -118,6 +118,7 @@ def _placement(**fields: Any) -> dict[str, Any]:
         "node_id": ctx.get_node_id(),
         "resources": ctx.get_assigned_resources(),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 
