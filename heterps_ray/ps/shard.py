@@ -128,7 +128,7 @@ class PSShard:
 
     def describe(self) -> dict[str, Any]:
         """Where this shard runs: its index, pid and the Ray resources it was given."""
-        return _placement(role="ps", index=self.index)
+        return actor_placement(role="ps", index=self.index)
 
     # -- sparse -------------------------------------------------------------------------------
 
@@ -294,8 +294,8 @@ def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list
     return out
 
 
-def _placement(**fields: Any) -> dict[str, Any]:
-    """What the running actor was given by Ray: node, pid and assigned resources."""
+def actor_placement(**fields: Any) -> dict[str, Any]:
+    """What the running actor was given by Ray: node, pid, assigned resources, OpenMP wait policy."""
     import os
 
     ctx = ray.get_runtime_context()

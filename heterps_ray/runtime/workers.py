@@ -12,7 +12,6 @@ submission order on every actor, which is what makes the sync mode's accumulate-
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import torch
 
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import PSClient
+from heterps_ray.ps.shard import PSClient, actor_placement
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, pick_device, route, to_wire
 
 SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
@@ -111,15 +110,7 @@ def load_train_state(
 
 
 def _placement(**fields: Any) -> dict[str, Any]:
-    ctx = ray.get_runtime_context()
-    return {
-        **fields,
-        "pid": os.getpid(),
-        "node_id": ctx.get_node_id(),
-        "resources": ctx.get_assigned_resources(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-    }
+    return {**actor_placement(**fields), "torch_threads": torch.get_num_threads()}
 
 
 class _Metrics:
