@@ -42,7 +42,8 @@ class RunReport:
     job: str
     scheduler: str
     plan: str  # one line: stages as layers@type x replicas
-    predicted_throughput: float  # samples/s, from the fitted cost model
+    predicted_throughput: float  # samples/s, from the fitted cost model (DESIGN.md §3, what plans optimise)
+    simulated_throughput: float  # samples/s, the pipeline simulator's steady state of the plan as run
     achieved_throughput: float  # samples/s, measured by the runtime (after its warm-up chunk)
     cost_rate: float  # $/hour of the plan's actors
     projected_cost: float  # $ to train job.samples at the achieved throughput
@@ -59,10 +60,16 @@ class RunReport:
             if self.predicted_throughput
             else float("nan")
         )
+        sim_err = (
+            self.simulated_throughput / self.achieved_throughput - 1
+            if self.achieved_throughput
+            else float("nan")
+        )
         lines = [
             f"run {self.job!r}: scheduler {self.scheduler}, plan {self.plan}",
-            f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s",
-            f"              achieved  {self.achieved_throughput:>12,.0f} samples/s  ({err:+.1%})",
+            f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s  (analytic model)",
+            f"              simulated {self.simulated_throughput:>12,.0f} samples/s  ({sim_err:+.1%} of achieved)",
+            f"              achieved  {self.achieved_throughput:>12,.0f} samples/s  ({err:+.1%} of predicted)",
             f"  cost rate   {self.cost_rate:>12.3f} $/h",
             f"  total cost  {self.projected_cost:>12.4f} $ projected at the achieved throughput "
             f"(predicted {self.predicted_cost:.4f} $)",
@@ -189,12 +196,14 @@ def run_job(
 
     # a long run's rate: the warm-up (first calls, first data chunk) is a one-time cost
     achieved = summary.steady_throughput or summary.throughput
+    simulated = _simulated(problem, plan, job, fit.runtime)  # the plan that ran (after any re-plan)
     hours = lambda throughput: job.samples / throughput / 3600.0 if throughput > 0 else float("inf")  # noqa: E731
     report = RunReport(
         job=job.name,
         scheduler=plan.scheduler,
         plan=_plan_line(plan),
         predicted_throughput=plan.throughput,
+        simulated_throughput=simulated,
         achieved_throughput=achieved,
         cost_rate=plan.cost_rate,
         projected_cost=plan.cost_rate * hours(achieved),
@@ -213,6 +222,25 @@ def _plan_line(plan: Any) -> str:
     """A plan in one line: stages as first..last layer @ type x replicas, then the PS shards."""
     stages = " | ".join(f"{s.layers[0]}..{s.layers[-1]}@{s.type}x{s.replicas}" for s in plan.stages)
     return f"{stages} | ps x{plan.ps_shards}"
+
+
+def _simulated(problem: Any, plan: Any, job: JobConfig, runtime: dict[str, Any]) -> float:
+    """The simulator's steady throughput of `plan` run as `job` runs it (no start-up, as the achieved)."""
+    from heterps_ray.costmodel.simulator import simulate
+    from heterps_ray.profiling.fit import simulator_options
+    from heterps_ray.runtime.driver import CHUNK_STEPS
+
+    options = {**simulator_options(runtime), "startup_ms": 0.0}
+    return simulate(
+        problem,
+        plan,
+        batches=100 * plan.stages[0].replicas,
+        mode=job.mode,
+        micro_batches=job.runtime.micro_batches,
+        max_in_flight=job.runtime.max_in_flight,
+        drain_every=CHUNK_STEPS,
+        **options,
+    ).throughput
 
 
 def _feasible(plan: Any, problem: Any, job: JobConfig) -> Any:

@@ -27,7 +27,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS_PER_CHUNK = 1 << 16  # heterps_ray.data.dataset reads and converts 65,536 rows at a time
-DRIVER_CHUNK = 20  # heterps_ray.runtime.driver runs DataWorkers 20 batches at a time, draining between
 
 
 @dataclass(frozen=True)
@@ -199,6 +198,7 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.costmodel.simulator import simulate
     from heterps_ray.profiling.fit import runtime_path, simulator_options
+    from heterps_ray.runtime.driver import CHUNK_STEPS
 
     problem = load_problem(problem_file)
     path_extras = runtime_path(problem_file)
@@ -215,7 +215,7 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
         micro_batches=case.micro_batches,
         mode=case.mode,  # type: ignore[arg-type]
         max_in_flight=row["max_in_flight"],
-        drain_every=DRIVER_CHUNK,
+        drain_every=CHUNK_STEPS,  # the driver runs DataWorkers in chunks, draining between
         **extras,
     )
     measured = row["measured"]

@@ -59,7 +59,7 @@ from heterps_ray.runtime.workers import (
 )
 
 SUMMARY_FILE = "run_summary.json"
-_CHUNK_STEPS = 20  # batches per DataWorker between progress updates
+CHUNK_STEPS = 20  # batches per DataWorker between progress updates
 _EVAL_BATCH = 4096  # rows per evaluation micro-batch
 _READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
 _SETTLE_TIMEOUT_S = 60.0  # after a fault: a DataWorker still busy by then is taken for hung
@@ -433,7 +433,7 @@ class _Run:
                             done,
                             self._checkpoint_now(saver, done, samples, losses),
                         )
-                per = _CHUNK_STEPS
+                per = CHUNK_STEPS
                 if target is not None:
                     per = min(per, math.ceil((target - done) / len(active)))
                 if saver is not None:  # end chunks on checkpoint boundaries
