@@ -203,3 +203,27 @@ def test_fit_line_is_exact_on_a_line_and_rejects_one_point():
 def test_measurements_without_the_columns_are_a_data_error():
     with pytest.raises(DataError, match="columns"):
         _fit(pd.DataFrame({"kind": ["layer"]}))
+
+
+def test_shared_host_background_is_the_quietest_window_and_calls_and_stages_are_fitted():
+    rows = [
+        # one machine seen by both types, before and after the layers: a burst of load hit one window
+        _row(kind="host", resource=t, peer="n1", rows=2, ms=1000.0, client_ms=cpu)
+        for t, cpu in (("small", 300.0), ("big", 1800.0), ("small", 250.0), ("big", 400.0))
+    ]
+    # a call costs the receiving actor 1.5 ms plus 1 ms per MB
+    rows += [_row(kind="call", resource=t, nbytes=n, calls=60, ms=60 * (1.5 + n / 1e6))
+             for t in ("small", "big") for n in (4096, 1 << 20, 4 << 20)]  # fmt: skip
+    # the whole model as one stage: 0.2 ms cheaper per layer after the first than the layers alone
+    measured = _measurements(noise=0.0)
+    alone = measured[measured["kind"] == "layer"].groupby(["resource", "batch_size", "layer"])["ms"].median()
+    for (rtype, b), total in alone.groupby(["resource", "batch_size"]).sum().items():
+        rows.append(_row(kind="stage", resource=rtype, batch_size=b, ms=total - 0.2 * (len(LAYERS) - 1)))
+    problem = _fit(
+        pd.concat([measured, pd.DataFrame(rows, columns=list(COLUMNS))], ignore_index=True)
+    ).problem
+    (host,) = problem["hosts"]
+    assert host["cores"] == 2 and host["background_cores"] == pytest.approx(0.25)
+    for resource in problem["resources"]:
+        assert resource["call_overhead_ms"] == pytest.approx(1.5, rel=1e-3)
+        assert resource["fused_saving_ms"] == pytest.approx(0.2, rel=1e-3)

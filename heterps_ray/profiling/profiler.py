@@ -438,6 +438,7 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
     try:
+        rows += _host_runs(present, actors, settings, calls=False)  # background: before and at the end
         for rtype in present:
             rows += _layer_rounds(actors[rtype.name], rtype, spec, settings, bar)
             for index, layer in enumerate(spec.layers):
@@ -493,17 +494,17 @@ def _layer_rounds(
 
 
 def _host_runs(
-    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings
+    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings, calls: bool = True
 ) -> list[_Row]:
     """Per type: the machine its first actor runs on (Ray node id in `peer`, cores in `rows`) and
-    the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`).
-    The fit declares a shared host where types share a node."""
+    the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`);
+    with `calls`, Ray's CPU per call there too. The fit declares a shared host where types share a node."""
     out = []
     for rtype in present:
         group = actors[rtype.name]
         node, cores, ms, others = ray.get(group[0].host_load.remote(settings.host_window_s))
         out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
-        if len(group) > 1:
+        if calls and len(group) > 1:
             ms, others = ray.get(group[0].call_cpu.remote(group[-1], settings.host_calls))
             out.append(
                 _Row("call_cpu", rtype.name, peer=node, calls=settings.host_calls, ms=ms, client_ms=others)
