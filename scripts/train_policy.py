@@ -2,16 +2,18 @@
 
     python scripts/train_policy.py --minutes 40 --seed 0
     python scripts/train_policy.py --iterations 5 --pool 20 --out /tmp/policy     # a smoke run
-    python scripts/train_policy.py --tune --samples 7 --env-steps 40000          # Tune the settings
+    python scripts/train_policy.py --tune --samples 6 --seed 0 --ship             # Tune, ship the winner
 
 PPO (RLlib) on SchedulingEnv over a pool of generated problems (3..30 layers, 2..5 types by
 default), one problem drawn per episode. The reward is the log cost ratio to each problem's best
 heuristic plan, so the training curve (`curve` in policy.json) reads as "how much cheaper than the
 best simple plan, on average". The pool is drawn from seed + 1_000_000, so problems generated
 from small integer seeds (the benchmarks) are unseen.
-`--tune` runs Ray Tune over the pretraining settings instead (experiments.tune.tune_policy): every
-trial pretrains for the same number of env steps and is scored by the policy alone on held-out
-validation problems; the table goes to --tune-output (JSON) and stdout.
+`--tune` runs Ray Tune with ASHA over the pretraining settings instead (experiments.tune.tune_policy):
+every trial pretrains for up to --env-steps env steps (a full run), is scored by the policy alone on
+held-out validation problems every --report-every env steps, and ASHA stops the trials behind; the
+best trial that ran the full length wins. The table goes to --tune-output (JSON) and stdout; with
+--ship, the winner's final weights go to --out (so the Tune command is the retrain command).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
 
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,13 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     tuning = parser.add_argument_group("--tune: pick the settings with Ray Tune")
     tuning.add_argument("--tune", action="store_true", help="search the settings instead of training")
-    tuning.add_argument("--samples", type=int, default=7, help="trials (the first is the current config)")
-    tuning.add_argument("--env-steps", type=int, default=40_000, help="layer decisions of PPO per trial")
+    tuning.add_argument("--samples", type=int, default=6, help="trials (the first is the current config)")
+    tuning.add_argument(
+        "--env-steps", type=int, default=327_680, help="layer decisions of PPO of a full-length trial"
+    )
+    tuning.add_argument("--report-every", type=int, default=32_768, help="env steps between validations")
+    tuning.add_argument("--grace", type=int, default=98_304, help="env steps before ASHA may stop a trial")
+    tuning.add_argument("--reduction", type=float, default=3.0, help="ASHA's reduction factor")
+    tuning.add_argument("--concurrent", type=int, default=2, help="trials at a time")
+    tuning.add_argument("--ship", action="store_true", help="write Tune's winner to --out")
     tuning.add_argument(
         "--validation", type=int, default=30, help="held-out problems each trial is scored on"
     )
     tuning.add_argument("--tune-storage", type=Path, default=Path("runs/tune"), help="Tune's trial folders")
-    tuning.add_argument("--tune-output", type=Path, default=Path("benchmarks/rl_tune_policy.json"))
+    tuning.add_argument("--tune-output", type=Path, default=Path("benchmarks/rl_tune_asha.json"))
     parser.add_argument(
         "--plot", type=Path, default=None, help="only draw --out's training curve into this PNG, then exit"
     )
@@ -70,9 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="POLICY_DIR",
         help="only score these saved policies alone on the --validation problems (as Tune does), then exit",
     )
+    parser.add_argument(
+        "--plot-tune",
+        type=Path,
+        default=None,
+        help="only draw every trial of --tune-output (validation score over env steps) into this PNG, then exit",
+    )
     args = parser.parse_args(argv)
     if args.plot is not None:
         return _plot_curve(args.out, args.plot)
+    if args.plot_tune is not None:
+        return _plot_tune(args.tune_output, args.plot_tune)
     if args.score is not None:
         return _score(args.score, args.validation, _int_range(args.layers), _int_range(args.types))
     command = "python scripts/train_policy.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -127,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tune(args: argparse.Namespace, command: str) -> int:
-    from heterps_ray.experiments.tune import tune_policy
+    from heterps_ray.experiments.tune import ship_policy, tune_policy
 
-    result = tune_policy(
+    search = tune_policy(
         num_samples=args.samples,
-        env_steps=args.env_steps,
+        max_env_steps=args.env_steps,
+        report_every=args.report_every,
+        grace_env_steps=args.grace,
+        reduction_factor=args.reduction,
+        max_concurrent=args.concurrent,
         pool_size=args.pool,
         validation=args.validation,
         seed=args.seed,
@@ -140,20 +162,29 @@ def _tune(args: argparse.Namespace, command: str) -> int:
         storage_path=args.tune_storage,
         between_iterations=_wait_while_quiet,
     )
-    print(result.table.to_string())
-    print("best:", json.dumps(result.best_config))
+    print(search.table.to_string())
+    print("best:", json.dumps(search.best_config), "from", search.best_checkpoint)
     args.tune_output.parent.mkdir(parents=True, exist_ok=True)
     args.tune_output.write_text(
         json.dumps(
             {
                 "command": command,
-                "best_config": result.best_config,
-                "trials": json.loads(result.table.to_json(orient="records")),
+                "settings": search.settings,
+                "best_config": search.best_config,
+                "best_checkpoint": str(search.best_checkpoint),
+                "table": json.loads(search.table.to_json(orient="records")),
+                "trials": [
+                    {k: v for k, v in t.items() if k != "checkpoint"} | {"checkpoint": str(t["checkpoint"])}
+                    for t in search.trials
+                ],
             },
             indent=1,
         )
         + "\n"
     )
+    if args.ship:
+        ship_policy(search, args.out, command)
+        print(f"shipped {search.best_checkpoint} to {args.out}", flush=True)
     return 0
 
 
@@ -183,12 +214,66 @@ def _plot_curve(policy_dir: Path, png: Path) -> int:
 
     meta = policy_metadata(policy_dir)
     curve = meta["curve"]
-    figure, axis = plt.subplots(figsize=(7, 3.5))
+    validation = meta.get("validation", [])  # a Tune trial's policy also has its validation scores
+    figure, axes = plt.subplots(
+        1, 2 if validation else 1, figsize=(11 if validation else 7, 3.5), squeeze=False
+    )
+    axis = axes[0][0]
     axis.plot([p["env_steps"] / 1e3 for p in curve], [p["episode_return_mean"] for p in curve], lw=1)
     axis.set_xlabel("env steps (layer decisions), thousands")
     axis.set_ylabel("mean episode return\nlog(reference cost / plan cost)")
-    axis.set_title(f"{meta['command']}", fontsize=7)
     axis.grid(alpha=0.3)
+    if validation:
+        right = axes[0][1]
+        steps = [v["env_steps"] / 1e3 for v in validation]
+        for key in ("mean_ratio", "median_ratio", "greedy_median_ratio"):
+            right.plot(steps, [v[key] for v in validation], marker="o", lw=1, label=key.replace("_", " "))
+        right.set_xlabel("env steps, thousands")
+        right.set_ylabel("validation: policy's cost / exact")
+        right.legend(fontsize=7)
+        right.grid(alpha=0.3)
+    figure.suptitle(textwrap.fill(meta["command"], 150), fontsize=7)
+    figure.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=120)
+    print(f"wrote {png}")
+    return 0
+
+
+def _plot_tune(tune_json: Path, png: Path) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(tune_json.read_text())
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for trial in record["trials"]:
+        config = trial["config"]
+        label = (
+            f"{'hand-set ' if trial['current'] else ''}lr {config['lr']:.2g}"
+            f"{' decay' if config.get('lr_end', 1.0) != 1.0 else ''}, ent {config['entropy_coeff']:.2g}, "
+            f"batch {config['train_batch_size']}, {config['num_epochs']} ep, hidden {config['hidden']}"
+        )
+        steps = [h["env_steps"] / 1e3 for h in trial["history"]]
+        scores = [h["mean_ratio"] for h in trial["history"]]
+        axis.plot(
+            steps,
+            scores,
+            marker="o",
+            ms=3,
+            lw=1.5 if trial["full_length"] else 1,
+            ls="-" if trial["full_length"] else "--",
+            label=label,
+        )
+    for milestone in record["settings"]["milestones"]:
+        axis.axvline(milestone / 1e3, color="grey", lw=0.8, ls=":")
+    axis.set_yscale("log")
+    axis.set_xlabel("env steps, thousands (dotted: ASHA rungs and the full length; dashed: stopped by ASHA)")
+    axis.set_ylabel("validation mean ratio\n(policy alone / exact, miss = 10)")
+    axis.set_title(textwrap.fill(record["command"], 150), fontsize=6)
+    axis.legend(fontsize=6)
+    axis.grid(alpha=0.3, which="both")
     figure.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=120)

@@ -102,36 +102,73 @@ def test_pretrain_runs_the_iterations_asked_and_reports_a_curve(ray_local):
         pretrain(config, training_pool(2, **SMALL))
 
 
-def test_tune_policy_scores_every_setting_on_the_validation_set(ray_local, tmp_path):
+def test_asha_tune_stops_trials_behind_and_ships_the_best_full_length_trial(ray_local, tmp_path):
+    import torch
     from ray import tune
 
-    from heterps_ray.experiments.tune import POLICY_METRICS, tune_policy
+    from heterps_ray.experiments.tune import POLICY_METRICS, asha_milestones, ship_policy, tune_policy
+    from heterps_ray.scheduling.rl.policy import policy_metadata
 
     space = {
         "lr": tune.loguniform(1e-4, 3e-3),
-        "train_batch_size": tune.choice([64]),
-        "minibatch_size": tune.choice([32]),
+        "lr_end": tune.choice([1.0, 0.1]),
+        "train_batch_size": tune.choice([128]),  # half the base's PPO iterations: likely behind it
+        "minibatch_size": tune.choice([64]),
         "num_epochs": tune.choice([1]),
     }
-    result = tune_policy(
-        num_samples=2,
-        env_steps=128,
+    search = tune_policy(
+        num_samples=3,
+        max_env_steps=512,
+        report_every=128,
+        grace_env_steps=256,
+        reduction_factor=2,
+        max_concurrent=1,  # one at a time: ASHA sees the trials in a fixed order
         pool_size=4,
         validation=5,
         seed=2,
         search_space=space,
-        base=RLConfig(train_batch_size=128, minibatch_size=64, num_epochs=1, lr=5e-4, num_envs=2),
+        # scored by the greedy plan alone (rollouts=0): on such small problems 32 samples all find the optimum
+        base=RLConfig(train_batch_size=64, minibatch_size=32, num_epochs=2, lr=2e-3, num_envs=2, rollouts=0),
         storage_path=tmp_path / "tune",
         **SMALL,
     )
-    table = result.table
-    assert len(table) == 2 and set(POLICY_METRICS) <= set(table.columns)
+    table = search.table
+    assert asha_milestones(512, 256, 2) == [256, 512] == search.settings["milestones"]
+    assert len(table) == 3 and set(POLICY_METRICS) <= set(table.columns)
     current = table[table["current"]]
-    assert len(current) == 1 and current["lr"].iloc[0] == 5e-4  # the base config is one trial
-    assert current["iterations"].iloc[0] == 1  # 128 env steps at its 128 per iteration
-    assert table[~table["current"]]["iterations"].iloc[0] == 2  # 128 env steps at 64 per iteration
-    assert (table["mean_ratio"] >= 1.0 - 1e-9).all() and np.isfinite(table["mean_ratio"]).all()
-    assert list(table["mean_ratio"]) == sorted(table["mean_ratio"])
-    assert result.best_config["lr"] == table["lr"].iloc[0]
+    assert len(current) == 1 and current["lr"].iloc[0] == 2e-3  # the base config is one trial
     exact = _exact_costs(validation_problems(5, **SMALL))
     assert (table["problems"] == sum(c is not None for c in exact.values())).all()
+    assert (table["mean_ratio"] >= 1.0 - 1e-9).all() and np.isfinite(table["mean_ratio"]).all()
+    for trial in search.trials:
+        steps = [h["env_steps"] for h in trial["history"]]
+        assert steps == sorted(steps) and steps[0] >= 128  # validated every 128 env steps, in order
+        if trial["full_length"]:
+            assert steps[-1] >= 512 and len(steps) == 4
+        else:  # ASHA stopped it at its first rung: it got there and went no further
+            assert 256 <= steps[-1] < 512 and math.isnan(
+                table.set_index("trial").loc[trial["trial"], "mean_ratio@512"]
+            )
+    # ASHA stopped at least one trial (deterministic: seeded, one at a time)
+    assert not table["full_length"].all()
+    # the winner is the best trial among those that ran the full length, a stopped trial cannot win
+    full = table[table["full_length"]]
+    assert table["full_length"].iloc[0] and table["mean_ratio"].iloc[0] == full["mean_ratio"].min()
+    assert search.best_config == {k: table[k].iloc[0] for k in space}
+
+    shipped = ship_policy(search, tmp_path / "shipped", "python scripts/train_policy.py --tune (test)")
+    meta = policy_metadata(shipped)
+    assert meta["command"] == "python scripts/train_policy.py --tune (test)" and meta["seed"] == 2
+    assert {k: meta["config"][k] for k in space} == search.best_config == meta["tune"]["picked"]
+    assert meta["config"]["lr_decay_steps"] == 512  # a decaying lr ends where the full run ends
+    assert meta["curve"][-1]["env_steps"] == meta["validation"][-1]["env_steps"] >= 512
+    assert meta["validation"][-1]["mean_ratio"] == search.best_mean_ratio
+    assert len(meta["tune"]["trials"]) == 3
+    saved = torch.load(search.best_checkpoint / "policy.pt", weights_only=True)
+    policy = load_policy(shipped)
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in saved.items())
+    # the shipped policy plans an unseen problem zero-shot, without training
+    problem = generate_problem(7, num_layers=(3, 6), num_types=(2, 3))
+    plan = get_scheduler("rl", policy=shipped).schedule(problem)
+    assert plan.feasible == (exact_plan := get_scheduler("exact").schedule(problem)).feasible
+    assert plan.cost >= exact_plan.cost - 1e-9

@@ -158,8 +158,29 @@ def test_saved_policy_plans_zero_shot_and_fine_tunes_from_its_weights(trained, p
     still = dataclasses.replace(_CONFIG, lr=1e-12)
     finetune = RLScheduler(policy=tmp_path, config=still, iterations=1)
     assert finetune.mode == "finetune"
-    finetune.schedule(problem)
+    tuned = finetune.schedule(problem)
     for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(finetune.module.state_dict()[name], tensor, atol=1e-6, rtol=0)
+    # the zero-shot plan (polished) is one of fine-tuning's candidates: it never ends worse
+    assert replanned.feasible and tuned.feasible and tuned.cost <= replanned.cost * (1 + 1e-9)
+
+
+def test_fine_tuning_a_policy_of_another_width_trains_a_network_of_its_width(ray_local, problem, tmp_path):
+    import torch
+
+    from heterps_ray.scheduling.rl.network import PolicyNetwork
+
+    # a tuned policy may be wider than the scheduler's config (hidden 128 against 64)
+    observation = SchedulingEnv.spaces()[0]
+    torch.manual_seed(1)
+    wide = PolicyNetwork(observation["type_features"].shape[1], observation["context"].shape[0], hidden=96)
+    save_policy(wide, tmp_path, {"hidden": 96})
+    still = dataclasses.replace(_CONFIG, lr=1e-12)
+    assert still.hidden == 64
+    finetune = RLScheduler(policy=tmp_path, config=still, iterations=1)
+    plan = finetune.schedule(problem)
+    assert plan.extra["mode"] == "finetune"
+    for name, tensor in wide.state_dict().items():
         torch.testing.assert_close(finetune.module.state_dict()[name], tensor, atol=1e-6, rtol=0)
 
 

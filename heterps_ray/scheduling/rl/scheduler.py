@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,10 @@ class RLConfig:
     """SGD passes over each train batch"""
     lr: float = 1e-3
     """Adam learning rate of policy and value networks"""
+    lr_end: float = 1.0
+    """lr falls linearly to lr * lr_end over lr_decay_steps env steps, then stays (1: constant lr)"""
+    lr_decay_steps: int = 0
+    """env steps of the linear lr decay (0: constant lr)"""
     gamma: float = 1.0
     """discount; 1 because the only reward is the plan's cost at the end of the episode"""
     lambda_: float = 0.95
@@ -104,7 +108,7 @@ class RLConfig:
                 train_batch_size_per_learner=self.train_batch_size,
                 minibatch_size=self.minibatch_size,
                 num_epochs=self.num_epochs,
-                lr=self.lr,
+                lr=self._lr_schedule(),
                 gamma=self.gamma,
                 lambda_=self.lambda_,
                 clip_param=self.clip_param,
@@ -117,6 +121,12 @@ class RLConfig:
             .reporting(metrics_num_episodes_for_smoothing=20)
             .debugging(seed=seed, log_level="ERROR")
         )
+
+    def _lr_schedule(self) -> float | list[list[float]]:
+        """RLlib's piecewise-linear schedule over sampled env steps, or the constant lr."""
+        if self.lr_end == 1.0 or self.lr_decay_steps <= 0:
+            return self.lr
+        return [[0, self.lr], [self.lr_decay_steps, self.lr * self.lr_end]]
 
 
 @register_scheduler("rl")
@@ -199,6 +209,14 @@ class RLScheduler(Scheduler):
             )
 
         initial = load_policy(self.policy or PRETRAINED_DIR) if mode == "finetune" else None
+        zero_shot = None
+        if initial is not None:  # what zero-shot planning returns: fine-tuning never ends worse
+            zero_view = ProblemView(problem)
+            _, zero_shot = self._best(
+                zero_view,
+                self._rollouts(initial, zero_view),
+                time.perf_counter() + self.config.zero_shot_polish_s,
+            )
         budget = self.finetune_s if mode == "finetune" else self.budget_s
         if budget is None and self.iterations is None:
             budget = 60.0
@@ -211,6 +229,8 @@ class RLScheduler(Scheduler):
         if initial is not None:  # fine-tuning never ends worse than the policy it started from
             for name, result in self._rollouts(initial, view).items():
                 candidates[f"pretrained-{name}"] = result
+        if zero_shot is not None:
+            candidates["zero-shot"] = view.record(zero_shot.assignment)
         polish_s = math.inf if budget is None else max(started + budget - time.perf_counter(), 0.0)
         plan = self._plan(view, candidates, started, info, polish_s)
         if self.checkpoint_dir is not None:
@@ -228,7 +248,10 @@ class RLScheduler(Scheduler):
         torch.set_num_threads(1)
         from tqdm import tqdm
 
-        algo = self.config.ppo_config({"problems": [problem]}, self.seed).build_algo()
+        config = self.config
+        if initial is not None:  # the network must have the saved policy's width (a tuned one may differ)
+            config = replace(config, hidden=int(initial.score[0].out_features))
+        algo = config.ppo_config({"problems": [problem]}, self.seed).build_algo()
         # A bar on a terminal only (disable=None): iterations when counted, else PPO iterations so far.
         bar = tqdm(total=self.iterations, desc="rl training", unit="iter", disable=None, leave=False)
         try:
@@ -301,25 +324,12 @@ class RLScheduler(Scheduler):
         info: dict[str, Any],
         polish_s: float,
     ) -> Plan:
-        # The env's reference plans are candidates too: the RL scheduler never returns a plan worse
-        # than the heuristics its reward is measured against.
-        for name, assignment in view.reference_assignments.items():
-            candidates.setdefault(f"reference:{name}", view.record(assignment))
         policy_best = None
         for name in ("greedy", "rollouts", "sampled", "trained", "pretrained-greedy", "pretrained-rollouts"):
             if name in candidates and better(policy_best, candidates[name]):
                 policy_best = candidates[name]
-        if self.config.polish:
-            deadline = math.inf if self.iterations is not None else time.perf_counter() + polish_s
-            starts = [candidates["greedy"]] + view.top(self.config.polish_starts)
-            polished = polish(view, starts, deadline)
-            if polished is not None:
-                candidates["polished"] = polished
-        source, best = None, None
-        for name, result in candidates.items():
-            if better(best, result):
-                source, best = name, result
-        assert best is not None
+        deadline = math.inf if self.iterations is not None else time.perf_counter() + polish_s
+        source, best = self._best(view, candidates, deadline)
         extra = dict(info)
         extra.update(
             counts="exact provisioning of the policy's assignment",  # replicas and PS shards never come from the policy
@@ -347,6 +357,26 @@ class RLScheduler(Scheduler):
             best_throughput=best_throughput,
             extra=extra,
         )
+
+    def _best(
+        self, view: ProblemView, candidates: dict[str, EpisodeResult], deadline: float
+    ) -> tuple[str, EpisodeResult]:
+        """Add the env's reference plans and the polished plan to `candidates`; the best of them (by name)."""
+        # The reference plans are candidates too: the RL scheduler never returns a plan worse than
+        # the heuristics its reward is measured against.
+        for name, assignment in view.reference_assignments.items():
+            candidates.setdefault(f"reference:{name}", view.record(assignment))
+        if self.config.polish:
+            starts = [candidates["greedy"]] + view.top(self.config.polish_starts)
+            polished = polish(view, starts, deadline)
+            if polished is not None:
+                candidates["polished"] = polished
+        source, best = "", None
+        for name, result in candidates.items():
+            if better(best, result):
+                source, best = name, result
+        assert best is not None
+        return source, best
 
     def _save_state(self, problem: Problem, plan: Plan, info: dict[str, Any]) -> None:
         assert self.checkpoint_dir is not None
