@@ -95,7 +95,7 @@ def run_job(
     import ray
 
     from heterps_ray.cluster import connect
-    from heterps_ray.costmodel import load_problem
+    from heterps_ray.costmodel import load_problem, one_replica_per_stage
     from heterps_ray.data.dataset import prepare_dataset
     from heterps_ray.profiling.fit import write_problem
     from heterps_ray.profiling.profiler import ProfileSettings, profile
@@ -132,7 +132,7 @@ def run_job(
         problem_path = write_problem(fit, out / "problem.yaml")["problem"]
         problem = load_problem(problem_path)
         if job.mode == "sync":
-            problem = _one_replica_per_stage(problem)
+            problem = one_replica_per_stage(problem)
         seconds["profile"] = time.perf_counter() - t0
         if fit.flags:
             print(f"profile: {len(fit.flags)} poor fits (see {problem_path.with_suffix('.fit.csv').name})")
@@ -255,17 +255,6 @@ def _feasible(plan: Any, problem: Any, job: JobConfig) -> Any:
             plan.throughput,
         )
     return plan
-
-
-def _one_replica_per_stage(problem: Any) -> Any:
-    """Sync mode runs one replica per stage (DESIGN.md §1): tell the scheduler that extra replicas of a
-    stage add no throughput (parallel fraction 0), so the cheapest plan never asks for them."""
-    from heterps_ray.costmodel import problem_from_dict
-
-    data = problem.to_dict()
-    for layer in data["layers"]:
-        layer["parallel_fraction"] = 0.0
-    return problem_from_dict(data)
 
 
 # -- heterps run --------------------------------------------------------------------------------

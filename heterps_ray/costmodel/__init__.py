@@ -16,6 +16,7 @@ from heterps_ray.costmodel.problem import (
     PSTier,
     Resource,
     load_problem,
+    one_replica_per_stage,
     problem_from_dict,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "StageTime",
     "load_problem",
     "monetary_cost",
+    "one_replica_per_stage",
     "problem_from_dict",
     "stage_throughput",
 ]

@@ -261,3 +261,12 @@ def problem_from_dict(data: dict[str, Any], file: str | None = None) -> Problem:
 def load_problem(path: str | Path) -> Problem:
     """Load a problem file (YAML or JSON)."""
     return problem_from_dict(read_yaml(path), str(path))
+
+
+def one_replica_per_stage(problem: Problem) -> Problem:
+    """`problem` as sync mode runs it, one replica per stage (DESIGN.md §1): extra replicas of a stage
+    add no throughput (parallel fraction 0), so the cheapest plan never asks for them."""
+    data = problem.to_dict()
+    for layer in data["layers"]:
+        layer["parallel_fraction"] = 0.0
+    return problem_from_dict(data)
