@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,8 @@ import ray
 
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.data.synth import synthesize
-from heterps_ray.runtime.driver import LiveActors, train
+from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.faults import ActorKiller
 from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,38 +64,9 @@ def _plan() -> Plan:
     return Plan.from_dict(raw)
 
 
-class _Killer:
-    """Kills one actor of `kind` mid-chunk, once a PS shard has applied `after` pushes."""
-
-    def __init__(self, kind: str, method: str, after: int):
-        self.kind, self.method, self.after = kind, method, after
-        self.thread: threading.Thread | None = None
-
-    def __call__(self, live: LiveActors) -> None:
-        if self.thread is not None:
-            return
-        victim = {
-            "ps_shard": live.shards[0],
-            "data_worker": live.data_workers[0],
-            "stage_worker": live.stage_workers[0][0],
-        }[self.kind]
-        pid = ray.get(victim.describe.remote())["pid"]
-        self.thread = threading.Thread(target=self._strike, args=(victim, pid, live.shards[-1]), daemon=True)
-        self.thread.start()
-
-    def _strike(self, victim: Any, pid: int, watched: Any) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and ray.get(watched.stats.remote())["pushes"] < self.after:
-            time.sleep(0.002)
-        if self.method == "ray.kill":
-            ray.kill(victim, no_restart=True)
-        else:
-            os.kill(pid, signal.SIGKILL)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000, help="synthetic rows (80% train)")
+    parser.add_argument("--rows", type=int, default=100_000, help="synthetic rows (80%% train)")
     parser.add_argument("--steps", type=int, default=400, help="batches per run")
     parser.add_argument("--every", type=int, default=50, help="checkpoint interval (batches)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_faults")
@@ -129,7 +98,7 @@ def main() -> None:
         for kind in KINDS:
             for method in METHODS:
                 _wait_quiet()
-                killer = _Killer(kind, method, after=max(args.steps // 2, args.every + 1))
+                killer = ActorKiller(kind, method, after=max(args.steps // 2, args.every + 1))
                 out = args.out / f"{mode}-{kind}-{method}"
                 t0 = time.perf_counter()
                 run = train(

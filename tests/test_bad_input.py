@@ -410,6 +410,11 @@ def _copy_run(run: Path, folder: Path, dataset: Path) -> tuple[Path, Path]:
     return _write_job(folder, dataset, runtime={"checkpoint_every": EVERY}), folder / "out"
 
 
+def _resume_argv(job, plan) -> list[str]:
+    """`heterps train --resume` of the checkpointed run, two batches past its end."""
+    return ["train", str(job), "--plan", str(plan), "--steps", str(STEPS + 2), "--resume", "--no-progress"]
+
+
 def test_resume_from_truncated_checkpoints_exits_2_naming_the_file(
     checkpointed_run, one_stage_plan, dataset, tmp_path, capsys
 ):
@@ -418,17 +423,7 @@ def test_resume_from_truncated_checkpoints_exits_2_naming_the_file(
         shard = step / "ps-shard-00000.npz"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     before = _tree(out)
-    argv = [
-        "train",
-        str(job),
-        "--plan",
-        str(one_stage_plan),
-        "--steps",
-        str(STEPS + 2),
-        "--resume",
-        "--no-progress",
-    ]
-    err = _refused(argv, capsys)
+    err = _refused(_resume_argv(job, one_stage_plan), capsys)
     newest = out / CHECKPOINTS_DIR / f"step-{STEPS:08d}" / "ps-shard-00000.npz"
     assert "no valid checkpoint" in err and f"{newest}: SHA-256 differs" in err, err
     assert _tree(out) == before
@@ -448,17 +443,7 @@ def test_resume_from_a_snapshot_corrupted_before_its_manifest_exits_2_naming_it(
     manifest = json.loads((newest / MANIFEST).read_text())
     write_manifest(newest, {k: v for k, v in manifest.items() if k != "files"})
     before = _tree(out)
-    argv = [
-        "train",
-        str(job),
-        "--plan",
-        str(one_stage_plan),
-        "--steps",
-        str(STEPS + 2),
-        "--resume",
-        "--no-progress",
-    ]
-    err = _refused(argv, capsys)
+    err = _refused(_resume_argv(job, one_stage_plan), capsys)
     assert f"{shard}: not a readable .npz" in err, err
     assert _tree(out) == before
 

@@ -5,20 +5,15 @@ applied exactly once on every PS shard; async mode reports the updates the resto
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.runtime.checkpoint import load_checkpoint
-from heterps_ray.runtime.driver import LiveActors, RunSummary, train
-from heterps_ray.runtime.faults import TooManyFaults
+from heterps_ray.runtime.driver import RunSummary, train
+from heterps_ray.runtime.faults import ActorKiller, TooManyFaults
 from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,40 +51,9 @@ def make_job(dataset: Path, output: Path, mode: str = "sync", **runtime) -> JobC
     )
 
 
-class Killer:
-    """An on_chunk hook: at the first chunk boundary it picks the victim, then a thread kills it once
-    a PS shard has applied KILL_AFTER pushes, i.e. while the DataWorkers are mid-chunk."""
-
-    def __init__(self, kind: str, method: str):
-        self.kind, self.method = kind, method
-        self.thread: threading.Thread | None = None
-        self.killed_at: int | None = None
-
-    def __call__(self, live: LiveActors) -> None:
-        if self.thread is not None:
-            return
-        victim = {
-            "ps_shard": live.shards[0],
-            "data_worker": live.data_workers[0],
-            "stage_worker": live.stage_workers[0][0],
-        }[self.kind]
-        pid = ray.get(victim.describe.remote())["pid"]
-        watched = live.shards[-1]  # never the victim: the plans here have 2 shards or kill no shard
-        self.thread = threading.Thread(target=self._strike, args=(victim, pid, watched), daemon=True)
-        self.thread.start()
-
-    def _strike(self, victim, pid: int, watched) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            pushes = ray.get(watched.stats.remote())["pushes"]
-            if pushes >= KILL_AFTER:
-                break
-            time.sleep(0.002)
-        self.killed_at = pushes
-        if self.method == "ray.kill":
-            ray.kill(victim, no_restart=True)
-        else:
-            os.kill(pid, signal.SIGKILL)
+def _killer(kind: str, method: str) -> ActorKiller:
+    """Kills one actor mid-chunk, once a PS shard has applied KILL_AFTER pushes."""
+    return ActorKiller(kind, method, KILL_AFTER, timeout_s=120)
 
 
 def _model(summary: RunSummary) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -122,7 +86,7 @@ def undisturbed(ray_local, dataset, tmp_path_factory) -> RunSummary:
 def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
     ray_local, dataset, tmp_path, undisturbed, kind, method
 ):
-    killer = Killer(kind, method)
+    killer = _killer(kind, method)
     plan = load_plan(PLANS / "small_three_stage.json")  # 3 stages, 2 PS shards
     summary = train(make_job(dataset, tmp_path), plan, steps=STEPS, progress=False, on_chunk=killer)
 
@@ -151,7 +115,7 @@ def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
 
 def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset, tmp_path, undisturbed):
     # No checkpoints: chunks of 20 batches, and the killer strikes during the second chunk.
-    killer = Killer("stage_worker", "ray.kill")
+    killer = _killer("stage_worker", "ray.kill")
     job = make_job(dataset, tmp_path, checkpoint_every=0)
     steps = 24
     summary = train(
@@ -166,7 +130,7 @@ def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset
 
 
 def test_more_deaths_than_max_restarts_fail_with_a_clear_error(ray_local, dataset, tmp_path):
-    killer = Killer("ps_shard", "ray.kill")
+    killer = _killer("ps_shard", "ray.kill")
     job = make_job(dataset, tmp_path, max_restarts=0)
     with pytest.raises(TooManyFaults, match=r"max_restarts=0.*ps_shard"):
         train(job, load_plan(PLANS / "small_three_stage.json"), steps=STEPS, progress=False, on_chunk=killer)
@@ -185,7 +149,7 @@ def test_async_run_restores_the_ps_snapshot_and_counts_lost_updates(ray_local, d
     calm = train(
         make_job(dataset, tmp_path / "calm", "async", **runtime), _async_plan(), steps=steps, progress=False
     )
-    killer = Killer("ps_shard", "sigkill")
+    killer = _killer("ps_shard", "sigkill")
     job = make_job(dataset, tmp_path / "faulted", "async", **runtime)
     summary = train(job, _async_plan(), steps=steps, progress=False, on_chunk=killer)
 

@@ -158,7 +158,8 @@ class LayerProfiler:
 
     def time_layers(self, items: list[tuple[int, int]], warmup: int, seed: int) -> list[tuple[float, float]]:
         """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item
-        (index num_layers: the whole model as one stage), in a shuffled order (so a burst of noise from elsewhere does not hit one item's repeats)."""
+        (index num_layers: the whole model as one stage), in a shuffled order (so a burst of noise
+        from elsewhere does not hit one item's repeats)."""
         for index, batch_size in items:
             for _ in range(warmup):
                 self._step(index, batch_size)
@@ -360,7 +361,7 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
     for run in runs:  # repeats numbered on across profiles (the fits read the first one as cold)
         frame = run.measurements.copy()
         frame["repeat"] = frame["repeat"] + offset
-        offset = int(frame["repeat"].max()) + 1 if frame["repeat"].notna().any() else offset
+        offset = int(frame["repeat"].max()) + 1
         frames.append(frame)
     layers = [
         LayerInfo(
