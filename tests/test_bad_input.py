@@ -285,10 +285,10 @@ _BREAKS = ("missing", "unreadable", "not parquet", "truncated", "other columns")
 
 
 def _break_part(dataset: Path, folder: Path, how: str) -> tuple[Path, Path]:
-    """A copy of `dataset` with train/part-00001 broken `how`; returns (copy, the broken part)."""
+    """A copy of `dataset` with split=train/part-00001 broken `how`; returns (copy, the broken part)."""
     copy = folder / "data"
     shutil.copytree(dataset, copy)
-    part = copy / "train" / "part-00001.parquet"
+    part = copy / "split=train" / "part-00001.parquet"
     if how == "missing":
         part.unlink()
     elif how == "unreadable":
@@ -309,7 +309,7 @@ def _break_part(dataset: Path, folder: Path, how: str) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     ("how", "expected"),
     [
-        ("missing", "missing (1 of the 3 train partitions meta.json lists are gone"),
+        ("missing", "missing (1 of the 3 train partitions _meta.json lists are gone"),
         ("unreadable", "not a readable Parquet file"),
         ("not parquet", "not a readable Parquet file"),
         ("truncated", "not a readable Parquet file"),
@@ -333,7 +333,7 @@ def test_missing_or_unreadable_data_part_exits_2_before_any_actor_starts(
 def test_missing_dataset_directory_exits_2(tmp_path, capsys):
     job = _write_job(tmp_path, tmp_path / "no-such-data")
     err = _refused(["train", str(job), "--plan", str(PLAN), "--no-progress"], capsys)
-    assert f"{tmp_path / 'no-such-data'}: not a dataset directory (expected meta.json" in err, err
+    assert f"{tmp_path / 'no-such-data'}: not a dataset directory (expected _meta.json" in err, err
     assert not (tmp_path / "out").exists()
 
 

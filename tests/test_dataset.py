@@ -77,7 +77,7 @@ def test_bad_rows_are_reported_in_meta_or_stop_a_strict_convert(criteo_sample, t
     meta = convert([tsv], tmp_path / "out")
     assert meta["rows"]["train"] + meta["rows"]["eval"] == 199
     assert meta["bad_rows"]["examples"] == [f"{tsv}:7: expected 40 fields, got 3"]
-    assert json.loads((tmp_path / "out" / "meta.json").read_text())["bad_rows"]["count"] == 1
+    assert json.loads((tmp_path / "out" / "_meta.json").read_text())["bad_rows"]["count"] == 1
 
     with pytest.raises(DataError, match=f"{tsv}:7"):
         convert([tsv], tmp_path / "strict", strict=True)
@@ -120,3 +120,76 @@ def test_cli_convert_and_info_exit_codes(criteo_sample, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["data", "convert", str(criteo_sample), "-o", str(out), "--rows-per-part", "0"])
     assert exc.value.code == 2
+
+
+# -- the layout other readers open ------------------------------------------------------------
+
+
+def test_pandas_and_pyarrow_defaults_read_the_directory_as_one_table_with_a_split_column(sample_dataset):
+    import pandas as pd
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    path = sample_dataset.path
+    assert sorted(p.name for p in path.iterdir()) == ["_meta.json", "split=eval", "split=train"]
+    frame = pd.read_parquet(path)
+    assert len(frame) == 200 and frame["split"].astype(str).value_counts().to_dict() == {"train": 180, "eval": 20}
+    hive = pads.dataset(path, partitioning="hive").to_table()
+    assert hive.num_rows == 200 and "split" in hive.column_names
+    assert pq.read_table(path).num_rows == 200 and pads.dataset(path).count_rows() == 200
+    # The same rows the Dataset reader gives, split by split, in its order.
+    for split in ("train", "eval"):
+        rows = pads.dataset(path, partitioning="hive").to_table(filter=pads.field("split") == split)
+        np.testing.assert_array_equal(
+            rows.column("label").to_numpy(), sample_dataset.load(split)["label"]
+        )
+
+
+def _to_legacy_layout(dataset: Dataset, folder):
+    """The directory as versions before the hive layout wrote it: meta.json, train/, eval/."""
+    import shutil
+
+    old = folder / "legacy"
+    old.mkdir()
+    shutil.copy(dataset.path / "_meta.json", old / "meta.json")
+    for split in ("train", "eval"):
+        shutil.copytree(dataset.path / f"split={split}", old / split)
+    return old
+
+
+def test_datasets_in_the_older_layout_still_read_the_same(sample_dataset, tmp_path):
+    from heterps_ray.data.layout import is_dataset
+
+    old = Dataset(_to_legacy_layout(sample_dataset, tmp_path))
+    assert is_dataset(old.path) and old.num_rows("train") == 180 and old.num_rows("eval") == 20
+    assert [f.parent.name for f in old.files("train")] == ["train"] * 4
+    assert old.meta == sample_dataset.meta
+    for split in ("train", "eval"):
+        for key, value in sample_dataset.load(split).items():
+            np.testing.assert_array_equal(old.load(split)[key], value)
+    batches = list(old.iter_batches("train", 64, files=old.files("train")[1:], drop_last=True))
+    assert [len(b["label"]) for b in batches] == [64, 64]
+    (old.path / "train" / "part-00002.parquet").unlink()
+    with pytest.raises(DataError, match=r"missing \(1 of the 4 train partitions meta.json lists"):
+        old.files("train")
+
+
+def test_overwrite_replaces_a_dataset_in_the_older_layout(sample_dataset, criteo_sample, tmp_path):
+    old = _to_legacy_layout(sample_dataset, tmp_path)
+    with pytest.raises(DataError, match="already there"):
+        convert([criteo_sample], old)
+    convert([criteo_sample], old, overwrite=True)
+    assert sorted(p.name for p in old.iterdir()) == ["_meta.json", "split=eval", "split=train"]
+    assert Dataset(old).num_rows("train") == 180
+
+
+def test_the_writer_and_the_synthetic_generator_do_not_import_the_reader():
+    """data/dataset.py generates synthetic data on first use; synth.py writes: no import cycle."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, heterps_ray.data.synth, heterps_ray.data.convert; "
+        "assert 'heterps_ray.data.dataset' not in sys.modules, 'cycle'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -195,7 +195,7 @@ def test_reference_command_synthesises_trains_and_writes_a_summary(tmp_path, cap
     summary = json.loads((tmp_path / "out" / "reference_summary.json").read_text())
     assert summary["steps"] == 10 and summary["samples"] == 640 and summary["model"] == "ctr_dnn"
     assert summary["eval_rows"] == 300 and 0.0 <= summary["auc"] <= 1.0
-    assert (tmp_path / "data" / "meta.json").is_file()
+    assert (tmp_path / "data" / "_meta.json").is_file()
     # a second run finds the data and does not regenerate it; the same seed trains the same way
     assert main(["reference", job, "--steps", "10", "--no-progress", "--threads", "1"]) == 0
     again = json.loads((tmp_path / "out" / "reference_summary.json").read_text())

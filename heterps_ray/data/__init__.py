@@ -19,7 +19,8 @@ _LAZY = {
     "write_text": "criteo",
     "table_to_batch": "criteo",
     "Dataset": "dataset",
-    "DatasetWriter": "dataset",
+    "DatasetWriter": "writer",
+    "is_dataset": "layout",
     "partition_files": "dataset",
     "convert": "convert",
     "synthesize": "synth",
@@ -29,8 +30,10 @@ _LAZY = {
 if TYPE_CHECKING:
     from heterps_ray.data.convert import convert
     from heterps_ray.data.criteo import BadRows, Batch, read_table, read_text, table_to_batch, write_text
-    from heterps_ray.data.dataset import Dataset, DatasetWriter, partition_files
+    from heterps_ray.data.dataset import Dataset, partition_files
+    from heterps_ray.data.layout import is_dataset
     from heterps_ray.data.synth import SynthSpec, synthesize
+    from heterps_ray.data.writer import DatasetWriter
 
 
 def __getattr__(name: str) -> Any:
@@ -48,6 +51,7 @@ __all__ = [
     "DatasetWriter",
     "SynthSpec",
     "convert",
+    "is_dataset",
     "partition_files",
     "read_table",
     "read_text",

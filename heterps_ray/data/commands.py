@@ -14,7 +14,8 @@ def register(subparsers: Any) -> None:
     data = subparsers.add_parser(
         "data",
         help="Criteo data: convert text to Parquet, make synthetic data with a known truth",
-        description="Datasets are directories of train/ and eval/ Parquet partitions plus meta.json.",
+        description="Datasets are directories of split=train/ and split=eval/ Parquet partitions plus "
+        "_meta.json (pandas, pyarrow, DuckDB, Spark and Ray Data read one as a table with a split column).",
     )
     sub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data.set_defaults(func=lambda args: _help(data))
@@ -24,7 +25,7 @@ def register(subparsers: Any) -> None:
         help="Criteo TSV or header CSV (optionally .gz) -> Parquet dataset, streamed",
         description="Convert Criteo text to a dataset directory, in chunks (a 45M-row day fits in "
         "bounded memory). Every round(1/eval_fraction)-th row goes to eval. Malformed rows are "
-        "skipped with a warning and listed in meta.json (file:line), or stop the run with --strict.",
+        "skipped with a warning and listed in _meta.json (file:line), or stop the run with --strict.",
     )
     convert.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="text file(s), read in order")
     convert.add_argument("--output", "-o", type=Path, required=True, help="dataset directory to write")
@@ -39,7 +40,7 @@ def register(subparsers: Any) -> None:
         help="synthetic Criteo-like data from a hidden model; prints the achievable AUC",
         description="Draw rows from a hidden model (Zipf key frequencies, per-key logit effects, "
         "smooth dense effects); the AUC of the true probabilities on eval is stored as "
-        "meta.json's achievable_auc and printed. 1M rows take well under a minute.",
+        "_meta.json's achievable_auc and printed. 1M rows take well under a minute.",
     )
     synth.add_argument("--rows", type=_positive_int, required=True)
     synth.add_argument("--output", "-o", type=Path, required=True, help="dataset directory to write")
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --output")
     synth.set_defaults(func=_synth)
 
-    info = sub.add_parser("info", help="row and file counts and meta.json of a dataset")
+    info = sub.add_parser("info", help="row and file counts and metadata of a dataset")
     info.add_argument("path", type=Path, metavar="DIR")
     info.set_defaults(func=_info)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from heterps_ray.data import DEFAULT_EVAL_FRACTION, DEFAULT_ROWS_PER_PART
 from heterps_ray.data.criteo import BadRows, read_text
-from heterps_ray.data.dataset import DatasetWriter, eval_every
+from heterps_ray.data.writer import DatasetWriter, eval_every
 from heterps_ray.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ The hidden model (all of it drawn from ``seed``):
   solved on a calibration sample so the expected AUC of the true probabilities is
   ``target_auc`` and the mean CTR is ``base_ctr``. ``label ~ Bernoulli(sigmoid(logit))``.
 
-``achievable_auc`` in meta.json is the AUC of the true probabilities against the drawn labels
+``achievable_auc`` in _meta.json is the AUC of the true probabilities against the drawn labels
 of the eval split: no model can expect more on it.
 """
 
@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from heterps_ray.data import DEFAULT_EVAL_FRACTION, DEFAULT_ROWS_PER_PART
 from heterps_ray.data.criteo import NUM_DENSE, NUM_SLOTS, RAW_SCHEMA
-from heterps_ray.data.dataset import DatasetWriter, eval_every
+from heterps_ray.data.writer import DatasetWriter, eval_every
 from heterps_ray.errors import ConfigError
 
 _CALIBRATION_ROWS = 50_000

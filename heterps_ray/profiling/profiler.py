@@ -31,6 +31,7 @@ import pandas as pd
 import ray
 
 from heterps_ray.config import JobConfig, ResourceType
+from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
@@ -636,7 +637,7 @@ def _input_runs(
 
     path = Path(job.data.path)
     scratch = None
-    if not (path / "meta.json").exists():
+    if not is_dataset(path):
         from heterps_ray.data.synth import synthesize
 
         scratch = tempfile.TemporaryDirectory(prefix="heterps-profile-")
@@ -663,7 +664,7 @@ def _key_batches(job: JobConfig, batch_size: int, num_slots: int, count: int, se
     creation), or Criteo-like synthetic keys when the job has no dataset yet."""
     path = Path(job.data.path)
     out: list[np.ndarray] = []
-    if (path / "meta.json").exists():
+    if is_dataset(path):
         from heterps_ray.data.dataset import Dataset
 
         for batch in Dataset(path).iter_batches("train", batch_size):
