@@ -5,7 +5,7 @@ heterps_ray.runtime.driver's run object, so the loop's start and end are known e
 every process's CPU time (psutil) before and after the training loop: DataWorkers, StageWorkers,
 PS shards, the driver and Ray's own daemons (raylet, gcs). Nothing in the runtime is changed.
 
-    .venv/bin/python benchmarks/costmodel_validation_breakdown.py --data runs/validate_costmodel/data
+    .venv/bin/python scripts/costmodel_validation_breakdown.py --data runs/validate_costmodel/data
 
 Writes benchmarks/costmodel_validation_breakdown.json (per plan: ms per batch of wall time and of
 CPU time per role, actor busy/wait) and prints a table.

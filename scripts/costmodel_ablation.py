@@ -1,6 +1,6 @@
 """How much each part of the simulator's cost model matters, on measured runs (no Ray needed).
 
-    .venv/bin/python benchmarks/costmodel_ablation.py benchmarks/costmodel_validation_runs/*/results.json
+    .venv/bin/python scripts/costmodel_ablation.py benchmarks/costmodel_validation_runs/*/results.json
 
 Each results.json (from scripts/validate_costmodel.py) sits beside the raw measurements of the profile
 taken before its runs (problem.measurements.parquet). The problem is fitted again from them with the
