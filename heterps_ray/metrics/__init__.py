@@ -1,0 +1,1 @@
+"""heterps_ray.metrics: what a run reports to the tools users already open (TensorBoard, MLflow)."""

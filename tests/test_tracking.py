@@ -1,0 +1,71 @@
+"""RunTracker: scalars written as TensorBoard event files read back by TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from heterps_ray.errors import ConfigError
+from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker, read_scalars
+
+
+def test_scalars_per_step_and_final_metrics_read_back_from_the_event_file(tmp_path):
+    with RunTracker(tmp_path) as tracker:
+        for step in (10, 20, 30):
+            tracker.log_scalars(
+                step,
+                {
+                    "train/loss": 1.0 / step,
+                    "train/samples_per_s": 1000.0 * step,
+                    "stage0/busy_fraction": 0.5,
+                    "stage1/queue_depth": step % 3,
+                    "ps/rows": 100 * step,
+                    "ps/pull_rate": float("nan"),  # not measured at this step: skipped, not written
+                },
+            )
+        tracker.log_final({"eval/auc": 0.7658, "eval/logloss": 0.4755})
+    assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    scalars = read_scalars(tmp_path / TENSORBOARD_DIR)
+    assert set(scalars) == {
+        "train/loss", "train/samples_per_s", "stage0/busy_fraction", "stage1/queue_depth", "ps/rows",
+        "eval/auc", "eval/logloss",
+    }  # fmt: skip
+    assert [s for s, _ in scalars["train/loss"]] == [10, 20, 30]
+    assert [v for _, v in scalars["train/samples_per_s"]] == [10_000.0, 20_000.0, 30_000.0]
+    assert [v for _, v in scalars["stage1/queue_depth"]] == [1.0, 2.0, 0.0]
+    ((step, auc),) = scalars["eval/auc"]
+    assert step == 30 and math.isclose(auc, 0.7658, rel_tol=1e-6)
+
+
+def test_a_second_run_in_another_directory_keeps_its_own_events(tmp_path):
+    for name, loss in (("a", 0.5), ("b", 0.4)):
+        with RunTracker(tmp_path / name) as tracker:
+            tracker.log_scalars(1, {"train/loss": loss})
+    assert read_scalars(tmp_path / "a" / TENSORBOARD_DIR)["train/loss"] == [(1, 0.5)]
+    assert read_scalars(tmp_path / "b" / TENSORBOARD_DIR)["train/loss"] == [(1, pytest.approx(0.4))]
+
+
+def test_negative_step_is_refused(tmp_path):
+    with RunTracker(tmp_path) as tracker, pytest.raises(ConfigError, match="step"):
+        tracker.log_scalars(-1, {"train/loss": 0.5})
+
+
+def test_mlflow_when_asked(tmp_path, caplog):
+    """With MLflow installed the metrics land in its run; without it the run still tracks to TensorBoard."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None:
+        with RunTracker(tmp_path, mlflow=True) as tracker:
+            tracker.log_final({"eval/auc": 0.75})
+        assert "mlflow is not installed" in caplog.text
+        assert read_scalars(tmp_path / TENSORBOARD_DIR)["eval/auc"] == [(0, pytest.approx(0.75))]
+        return
+    import mlflow
+
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    with RunTracker(tmp_path, mlflow=True, run_name="t") as tracker:
+        tracker.log_scalars(3, {"train/loss": 0.5})
+        tracker.log_final({"eval/auc": 0.75})
+    (run,) = mlflow.search_runs(output_format="list")
+    assert run.data.metrics == {"train/loss": 0.5, "eval/auc": 0.75}
