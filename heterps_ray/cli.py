@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "heterps_ray.profiling.commands",
     "heterps_ray.costmodel.commands",
     "heterps_ray.runtime.commands",
+    "heterps_ray.serving.commands",
     "heterps_ray.scheduling.commands",
     "heterps_ray.experiments.commands",
 )
