@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "heterps_ray.costmodel.commands",
     "heterps_ray.runtime.commands",
     "heterps_ray.serving.commands",
+    "heterps_ray.deploy.commands",
     "heterps_ray.scheduling.commands",
     "heterps_ray.experiments.commands",
 )

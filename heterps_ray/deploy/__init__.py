@@ -1,0 +1,1 @@
+"""heterps_ray.deploy: cluster configs rendered for the clusters users run (KubeRay, `ray up`)."""
