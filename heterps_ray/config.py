@@ -135,7 +135,7 @@ class ModelConfig(BaseModel):
 class DataConfig(BaseModel):
     model_config = _STRICT
 
-    path: Path = Field(description="dataset directory (train/ and eval/ Parquet partitions)")
+    path: Path = Field(description="dataset directory (_meta.json, split=train/ and split=eval/ Parquet partitions)")
     synth_rows: int | None = Field(
         None, ge=1, description="if set and `path` holds no dataset, `heterps run` generates one"
     )
@@ -145,8 +145,10 @@ class OptimizerConfig(BaseModel):
     model_config = _STRICT
 
     sparse: Literal["adagrad"] = "adagrad"
-    sparse_lr: float = Field(0.05, gt=0)
-    sparse_init_accumulator: float = Field(0.1, ge=0)
+    # Chosen on the quickstart's 200k synthetic rows against DeepCTR-Torch (BENCHMARKS.md "Model
+    # quality", scripts/bench_quality.py): a small initial accumulator lets fresh rows move at once.
+    sparse_lr: float = Field(0.02, gt=0)
+    sparse_init_accumulator: float = Field(1e-6, ge=0)
     dense: Literal["adam", "sgd"] = "adam"
     dense_lr: float = Field(1e-3, gt=0)
 
@@ -156,8 +158,31 @@ class RuntimeConfig(BaseModel):
 
     micro_batches: int = Field(1, ge=1, description="sync mode: micro-batches per batch (GPipe style)")
     max_in_flight: int = Field(4, ge=1, description="bounded in-flight micro-batches per link")
-    max_staleness: int = Field(4, ge=0, description="async mode: most dense versions a replica may lag")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="async mode, replicated stages: most versions a replica's dense weights (held on "
+        "a PS shard) may lag behind the shard after its own push (0: a replica always sees its own "
+        "updates; more saves weight transfers)",
+    )
+    batches_ahead: int = Field(
+        0,
+        ge=0,
+        description="async mode: batches a DataWorker may start before its earlier batches' updates "
+        "are applied (0: every batch sees all of its DataWorker's earlier updates, as in sync; more "
+        "overlaps stages across batches, on rows and weights that many updates old)",
+    )
     ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
+    compiled_graph: bool = Field(
+        True,
+        description="run a DataWorker's chain of single-replica stages as a Ray Compiled Graph "
+        "(shared-memory channels); false: one plain actor call per stage and direction",
+    )
+    ps_hosting: Literal["auto", "actors"] = Field(
+        "auto",
+        description="auto: a plan with one DataWorker and no replicated stage hosts its PS shards in "
+        "that DataWorker's process (no PS call crosses a process); actors: every shard is an actor",
+    )
     train_steps: int | None = Field(None, ge=1, description="stop after this many batches")
     epochs: int = Field(1, ge=1)
     checkpoint_every: int = Field(

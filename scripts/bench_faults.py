@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ import ray
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.data.synth import synthesize
 from heterps_ray.runtime.driver import train
-from heterps_ray.runtime.faults import ActorKiller
 from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the fault-injection hook lives with the fault tests
+from fault_injection import ActorKiller  # noqa: E402
+
 QUIET = Path("/tmp/heterps_quiet")
 KINDS = ("ps_shard", "data_worker", "stage_worker")
 METHODS = ("ray.kill", "sigkill")
@@ -37,8 +40,14 @@ def _wait_quiet() -> None:
         time.sleep(10)
 
 
-def _job(data: Path, out: Path, mode: str, every: int) -> JobConfig:
-    runtime: dict[str, Any] = {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": every}
+def _job(data: Path, out: Path, mode: str, every: int, ps_hosting: str = "actors") -> JobConfig:
+    # PS shards as actors, so that one can be killed (a hosted shard dies with its DataWorker)
+    runtime: dict[str, Any] = {
+        "micro_batches": 2,
+        "max_in_flight": 2,
+        "checkpoint_every": every,
+        "ps_hosting": ps_hosting,
+    }
     if mode == "async":
         runtime.update(micro_batches=1, max_staleness=0)
     return JobConfig.model_validate(

@@ -1,13 +1,15 @@
 """Benchmark: samples/s of the heterps_ray pipeline against (a) the one-process reference trainer and
 (b) Ray Train's TorchTrainer with DDP (2 CPU workers, gloo), on the same model and data, side by
-side in one run on the same machine.
+side in one run on the same machine, alternating systems over `--rounds` rounds (medians reported).
 
 Model: CTR-DNN (26 slots, embedding dim 9, FC 512-256-128-32, batch 512). Data: synthetic
 Criteo-like rows whose 26 slots each draw from 1M distinct values. The DDP baseline holds the 26
 tables of 1M rows as one `nn.Embedding(26M, 9, sparse=True)` (slot offsets, keys mod 1M) with
 sparse Adagrad, dense Adam; the reference and the pipeline create rows lazily on first pull.
 
-    .venv/bin/python scripts/bench_runtime.py --rows 200000 --steps 120
+    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_runtime.py --rows 200000 --steps 200 --rounds 2
+
+Pipeline systems are named `<mode>:<plan file in configs/plans>`, e.g. `sync:one_stage_big`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--data", type=Path, default=REPO / "runs" / "bench_runtime" / "data")
     parser.add_argument("--output", type=Path, default=REPO / "runs" / "bench_runtime" / "results.json")
-    parser.add_argument("--only", nargs="*", default=["reference", "sync", "async", "ddp"])
+    parser.add_argument("--only", nargs="*", default=DEFAULT_SYSTEMS, help="systems, in round order")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all systems (alternating)")
     parser.add_argument("--logs", action="store_true", help="show the actors' and Ray Train workers' logs")
     args = parser.parse_args()
 
@@ -59,20 +63,29 @@ def main() -> None:
         "rows": args.rows,
         "batch_size": args.batch_size,
         "steps": args.steps,
+        "rounds": args.rounds,
         "cpus": os.cpu_count(),
+        "systems": {},
     }
-    for name in args.only:
-        print(f"--- {name}", flush=True)
-        results[name] = RUNNERS[name](args)
-        print(json.dumps({k: v for k, v in results[name].items() if k != "profile"}), flush=True)
+    for round_index in range(args.rounds):
+        order = args.only if round_index % 2 == 0 else list(reversed(args.only))
+        for name in order:
+            load = os.getloadavg()[0]
+            print(f"--- round {round_index + 1}: {name} (load average {load:.2f})", flush=True)
+            result = _runner(name)(args)
+            result["load_before"] = round(load, 2)
+            results["systems"].setdefault(name, []).append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
     ray.shutdown()
-    base = results.get("reference", {}).get("samples_per_s")
-    ddp = results.get("ddp", {}).get("samples_per_s")
-    print(f"\n{'system':<34} {'samples/s':>10} {'x reference':>12} {'x Ray Train DDP':>16}")
+    medians = {n: statistics.median(r["samples_per_s"] for r in runs) for n, runs in results["systems"].items()}
+    results["median_samples_per_s"] = medians
+    base, ddp = medians.get("reference"), medians.get("ddp")
+    print(f"\n{'system':<52} {'samples/s':>10} {'x reference':>12} {'x Ray Train DDP':>16}")
     for name in args.only:
-        rate = results[name]["samples_per_s"]
+        rate = medians[name]
+        label = results["systems"][name][0]["label"]
         print(
-            f"{results[name]['label']:<34} {rate:>10,.0f} {rate / base if base else float('nan'):>12.2f} "
+            f"{label:<52} {rate:>10,.0f} {rate / base if base else float('nan'):>12.2f} "
             f"{rate / ddp if ddp else float('nan'):>16.2f}"
         )
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +102,7 @@ def _make_data(path: Path, rows: int) -> None:
     synthesize(path, rows, seed=0, rows_per_part=25_000, spec=spec)
 
 
-def _job(args: argparse.Namespace, mode: str) -> Any:
+def _job(args: argparse.Namespace, mode: str, **runtime: Any) -> Any:
     from heterps_ray.config import load_job
 
     return load_job(
@@ -102,6 +115,7 @@ def _job(args: argparse.Namespace, mode: str) -> Any:
             "output_dir": str(args.output.parent / f"run_{mode}"),
             "runtime.micro_batches": 1,
             "runtime.max_in_flight": 4,
+            **{f"runtime.{k}": v for k, v in runtime.items()},
         },
     )
 
@@ -119,24 +133,34 @@ def run_reference(args: argparse.Namespace) -> dict[str, Any]:
     batches = Dataset(args.data).iter_batches("train", args.batch_size)
     for _ in range(args.warmup):
         trainer.train_step(next(batches))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         trainer.train_step(next(batches))
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
         "label": "reference (1 process, 2 threads)",
         "samples_per_s": args.steps * args.batch_size / seconds,
         "seconds": seconds,
+        "profile": {"cpu_ms_per_batch": {"reference": round(cpu * 1e3 / args.steps, 2)}},
     }
 
 
-def _run_pipeline(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def _run_pipeline(
+    args: argparse.Namespace, mode: str, plan_name: str, runtime: dict[str, int]
+) -> dict[str, Any]:
     from heterps_ray.runtime.driver import train
     from heterps_ray.scheduling.plan import load_plan
 
-    plan_name = "quickstart.json" if mode == "sync" else "quickstart_async.json"
-    plan = load_plan(REPO / "configs" / "plans" / plan_name)
-    summary = train(_job(args, mode), plan, steps=args.warmup + args.steps, progress=False, overwrite=True)
+    plan = load_plan(REPO / "configs" / "plans" / f"{plan_name}.json")
+    cpu = _CpuPerProcess()
+    summary = train(
+        _job(args, mode, **runtime),
+        plan,
+        steps=args.warmup + args.steps,
+        progress=False,
+        overwrite=True,
+        on_chunk=cpu,
+    )
     chunks = summary.extra["chunks"]
     # drop whole chunks until the warm-up batches are behind us
     skipped = 0
@@ -145,16 +169,21 @@ def _run_pipeline(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         chunks = chunks[1:]
     samples = sum(c[0] for c in chunks)
     seconds = sum(c[1] for c in chunks)
-    label = f"heterps_ray pipeline, {mode} ({'+'.join(str(s['replicas']) for s in summary.stages)} actors)"
+    stages = " | ".join(
+        f"{s['layers'][0]}..{s['layers'][-1]}@{s['type']}x{s['replicas']}" for s in summary.stages
+    )
     return {
-        "label": label,
+        "label": f"pipeline {mode}, {plan_name} ({stages})"
+        + "".join(f", {k}={v}" for k, v in runtime.items()),
         "samples_per_s": samples / seconds,
         "seconds": seconds,
+        "auc": summary.auc,
         "profile": {
             "stage_busy": {
                 f"s{s['index']} {'+'.join(s['layers'])} on {s['type']}": round(s["busy"], 3)
                 for s in summary.stages
             },
+            "cpu_ms_per_batch": cpu.per_batch(),
             "data_worker_wait_s": summary.extra["data_wait_s"],
             "train_seconds": summary.seconds,
             "ps": [{k: p[k] for k in ("rows", "pulls", "pushes", "keys_per_s", "busy")} for p in summary.ps],
@@ -162,12 +191,45 @@ def _run_pipeline(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     }
 
 
-def run_sync(args: argparse.Namespace) -> dict[str, Any]:
-    return _run_pipeline(args, "sync")
+class _CpuPerProcess:
+    """An ``on_chunk`` hook: CPU time (user + system) of every actor process, the raylet and the
+    driver between the first and the last chunk boundary, per batch trained in between."""
 
+    def __init__(self) -> None:
+        self.first: tuple[int, dict[str, float]] | None = None
+        self.last: tuple[int, dict[str, float]] | None = None
+        self.procs: dict[str, Any] = {}
 
-def run_async(args: argparse.Namespace) -> dict[str, Any]:
-    return _run_pipeline(args, "async")
+    def __call__(self, live: Any) -> None:
+        import psutil
+        import ray
+
+        if not self.procs:
+            actors = [("data", w) for w in live.data_workers] + [
+                (f"stage{s + 1}", w) for s, replicas in enumerate(live.stage_workers) for w in replicas
+            ]
+            actors += [("ps", s) for s in live.shards if isinstance(s, ray.actor.ActorHandle)]
+            for n, (role, actor) in enumerate(actors):
+                self.procs[f"{role}#{n}"] = psutil.Process(ray.get(actor.describe.remote())["pid"])
+            self.procs["driver"] = psutil.Process()
+            for proc in psutil.process_iter(["name"]):
+                if proc.info["name"] in ("raylet", "gcs_server"):
+                    self.procs[proc.info["name"]] = proc
+        now = {}
+        for name, proc in self.procs.items():
+            times = proc.cpu_times()
+            now[name] = times.user + times.system
+        if self.first is None:
+            self.first = (live.step, now)
+        self.last = (live.step, now)
+
+    def per_batch(self) -> dict[str, float]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return {}
+        batches = self.last[0] - self.first[0]
+        out = {k: round((self.last[1][k] - self.first[1][k]) * 1e3 / batches, 2) for k in self.first[1]}
+        out["total"] = round(sum(out.values()), 2)
+        return out
 
 
 def _ddp_loop(config: dict[str, Any]) -> None:
@@ -264,7 +326,34 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-RUNNERS = {"reference": run_reference, "sync": run_sync, "async": run_async, "ddp": run_ddp}
+DEFAULT_SYSTEMS = [
+    "reference",
+    "sync:one_stage_big",
+    "async:one_stage_big",
+    "sync:one_stage_small",
+    "sync:two_stage",
+    "sync:two_stage:compiled_graph=0",
+    "async:two_stage:batches_ahead=1",
+    "sync:quickstart",
+    "async:quickstart_async",
+    "ddp",
+]
+
+
+def _runner(name: str) -> Any:
+    """The function that measures system `name` (reference, ddp, or `<mode>:<plan>`)."""
+    if name == "reference":
+        return run_reference
+    if name == "ddp":
+        return run_ddp
+    mode, plan_name, *settings = name.split(":")
+    if mode not in ("sync", "async") or not (REPO / "configs" / "plans" / f"{plan_name}.json").exists():
+        raise SystemExit(
+            f"--only: unknown system {name!r}; use reference, ddp or "
+            "<sync|async>:<plan in configs/plans>[:<runtime setting>=<int>...]"
+        )
+    runtime = {k: int(v) for k, v in (item.split("=", 1) for item in settings)}
+    return lambda args: _run_pipeline(args, mode, plan_name, runtime)
 
 
 if __name__ == "__main__":

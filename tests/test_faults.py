@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fault_injection import ActorKiller
 
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import RunSummary, train
-from heterps_ray.runtime.faults import ActorKiller, TooManyFaults
+from heterps_ray.runtime.faults import TooManyFaults
 from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +89,9 @@ def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
 ):
     killer = _killer(kind, method)
     plan = load_plan(PLANS / "small_three_stage.json")  # 3 stages, 2 PS shards
-    summary = train(make_job(dataset, tmp_path), plan, steps=STEPS, progress=False, on_chunk=killer)
+    # shards as actors to kill one; else hosted in the DataWorker (and killed with it)
+    job = make_job(dataset, tmp_path, ps_hosting="actors" if kind == "ps_shard" else "auto")
+    summary = train(job, plan, steps=STEPS, progress=False, on_chunk=killer)
 
     assert killer.killed_at is not None and killer.killed_at < STEPS
     assert summary.steps == STEPS and summary.samples == STEPS * BATCH
@@ -131,7 +134,7 @@ def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset
 
 def test_more_deaths_than_max_restarts_fail_with_a_clear_error(ray_local, dataset, tmp_path):
     killer = _killer("ps_shard", "ray.kill")
-    job = make_job(dataset, tmp_path, max_restarts=0)
+    job = make_job(dataset, tmp_path, max_restarts=0, ps_hosting="actors")
     with pytest.raises(TooManyFaults, match=r"max_restarts=0.*ps_shard"):
         train(job, load_plan(PLANS / "small_three_stage.json"), steps=STEPS, progress=False, on_chunk=killer)
 

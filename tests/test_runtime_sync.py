@@ -133,9 +133,10 @@ def test_stages_land_on_their_resource_types(three_stage_run):
         and fc["torch_threads"] == 2
     )
     assert tail["resources"].get("cpu_small") == 1.0 and tail["torch_threads"] == 1
-    shards = by_role[("ps", None)]
-    assert len(shards) == 2 and all(s["resources"].get("cpu_small") == 1.0 for s in shards)
-    assert len({data["pid"], fc["pid"], tail["pid"], *(s["pid"] for s in shards)}) == 5  # separate processes
+    # one DataWorker, no replicas: the 2 PS shards live in the DataWorker's process (ps_hosting: auto)
+    assert ("ps", None) not in by_role and data["hosted_shards"] == 2
+    assert len(summary["ps"]) == 2 and all(s["pushes"] == STEPS for s in summary["ps"])
+    assert len({data["pid"], fc["pid"], tail["pid"]}) == 3  # separate processes
     assert {p["omp_wait_policy"] for p in summary["placement"]} == {"PASSIVE"}  # the types' runtime_env
 
 

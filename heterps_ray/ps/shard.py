@@ -8,7 +8,10 @@ modulo the shard count. It is salted so it does not correlate with the low bits 
 1, 2 or 4 shards is the same model.
 
 Workers talk to the shards through a :class:`PSClient`: it de-duplicates keys, splits them by
-shard, sends one call per shard and reassembles the rows in the caller's order.
+shard (a :class:`KeySplit`, computed once per batch and reused by its pull and its push), sends one
+call per shard and reassembles the rows in the caller's order. The shards are Ray actors, or, where
+a plan has a single DataWorker, :class:`PSShard` objects hosted in that worker's own process (no
+call crosses a process then; see ``runtime.ps_hosting``).
 
 Example::
 
@@ -21,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,7 @@ import ray
 
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
-from heterps_ray.ps.table import SparseTable, splitmix64
+from heterps_ray.ps.table import SparseTable, splitmix64, sum_rows
 
 _SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
 # torch.optim.Adam defaults, so a dense table on the PS steps exactly like the reference's Adam.
@@ -132,19 +135,25 @@ class PSShard:
 
     # -- sparse -------------------------------------------------------------------------------
 
-    def pull(self, table: str, keys: np.ndarray, create: bool = True) -> np.ndarray:
-        """Rows for `keys` (all of this shard's partition), float32[n, dim]."""
+    def pull(self, table: str, keys: np.ndarray, create: bool = True, unique: bool = False) -> np.ndarray:
+        """Rows for `keys` (all of this shard's partition), float32[n, dim]; `unique`: keys distinct."""
         t0 = time.perf_counter()
-        rows = self._tables[table].pull(keys, create=create)
+        rows = self._tables[table].pull(keys, create=create, unique=unique)
         self._counts["pulls"] += 1
         self._counts["keys_pulled"] += len(keys)
         self._busy_s += time.perf_counter() - t0
         return rows
 
     def push(
-        self, table: str, keys: np.ndarray, grads: np.ndarray, tag: tuple[int, int, int] | None = None
+        self,
+        table: str,
+        keys: np.ndarray,
+        grads: np.ndarray,
+        tag: tuple[int, int, int] | None = None,
+        unique: bool = False,
     ) -> int:
         """Adagrad step with the summed gradient of each key; returns the number of keys pushed.
+        `unique`: the keys are distinct and their gradients already summed.
         `tag` (DataWorker, batch index, generation) is counted in :meth:`applied`; a push of a
         generation older than :meth:`fence`'s is dropped (sent before a recovery, arriving after)."""
         if tag is not None and tag[2] < self._generation:
@@ -152,7 +161,7 @@ class PSShard:
             return 0
         t0 = time.perf_counter()
         if len(keys):
-            self._tables[table].push(keys, grads)
+            self._tables[table].push(keys, grads, unique=unique)
         if tag is not None:
             self._count_applied(tag[0], tag[1])
         self._counts["pushes"] += 1
@@ -183,13 +192,18 @@ class PSShard:
         self._dense[name] = _DenseTable(params, optimizer, lr)
         return 0
 
-    def push_dense(self, name: str, grads: dict[str, np.ndarray]) -> int:
-        """One optimizer step on a dense table; returns its new version."""
+    def push_dense(
+        self, name: str, grads: dict[str, np.ndarray], held: int = -1, max_staleness: int = -1
+    ) -> tuple[int, dict[str, np.ndarray] | None]:
+        """One optimizer step on a dense table; returns (its new version, its parameters when the
+        caller's weights, of version `held`, are now more than `max_staleness` versions behind)."""
         t0 = time.perf_counter()
-        version = self._dense[name].apply(grads)
+        table = self._dense[name]
+        version = table.apply(grads)
         self._counts["dense_pushes"] += 1
         self._busy_s += time.perf_counter() - t0
-        return version
+        stale = held >= 0 and max_staleness >= 0 and version - held > max_staleness
+        return version, (table.params if stale else None)
 
     def pull_dense(self, name: str) -> tuple[int, dict[str, np.ndarray]]:
         """(version, parameters) of a dense table."""
@@ -318,55 +332,93 @@ def start_shards(num_shards: int, tables: dict[str, TableSpec], actor_options: d
     ]
 
 
-class PSClient:
-    """Pulls and pushes sparse rows across shards: one call per shard, keys de-duplicated."""
+@dataclass(frozen=True)
+class KeySplit:
+    """A batch's keys de-duplicated and split by shard: computed once (in a DataWorker's reader
+    thread) and used by the batch's pull and its push."""
 
-    def __init__(self, shards: list[Any]):
+    shape: tuple[int, ...]
+    unique: np.ndarray  # distinct keys, sorted
+    inverse: np.ndarray  # keys.ravel() == unique[inverse]
+    positions: list[np.ndarray] = field(default_factory=list)  # per shard: indices into `unique`
+
+
+def split_keys(keys: np.ndarray, num_shards: int) -> KeySplit:
+    """The :class:`KeySplit` of `keys` (any shape) over `num_shards` shards."""
+    keys = np.asarray(keys)
+    unique, inverse = np.unique(np.ascontiguousarray(keys, dtype=np.int64).ravel(), return_inverse=True)
+    owner = shard_of(unique, num_shards)
+    positions = [np.flatnonzero(owner == s) for s in range(num_shards)]
+    return KeySplit(keys.shape, unique, inverse, positions)
+
+
+class PSClient:
+    """Pulls and pushes sparse rows across shards: one call per shard, keys de-duplicated.
+
+    `shards` are PSShard actor handles, or with ``hosted=True`` PSShard objects of this process
+    (called directly: nothing is serialised and no push is left in flight).
+    """
+
+    def __init__(self, shards: list[Any], hosted: bool = False):
         if not shards:
             raise ValueError("a PSClient needs at least one shard")
         self.shards = list(shards)
+        self.hosted = hosted
 
-    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        unique, inverse = np.unique(np.ascontiguousarray(keys, dtype=np.int64).ravel(), return_inverse=True)
-        owner = shard_of(unique, len(self.shards))
-        positions = [np.flatnonzero(owner == s) for s in range(len(self.shards))]
-        return unique, inverse, positions
+    def split(self, keys: np.ndarray) -> KeySplit:
+        return split_keys(keys, len(self.shards))
 
-    def pull(self, table: str, keys: np.ndarray, create: bool = True) -> np.ndarray:
-        """Rows for `keys` of any shape: float32[*keys.shape, dim]."""
-        keys = np.asarray(keys)
-        unique, inverse, positions = self._split(keys)
-        refs = {
-            s: self.shards[s].pull.remote(table, unique[pos], create)
-            for s, pos in enumerate(positions)
+    def _call(self, shard: int, method: str, *args: Any) -> Any:
+        if self.hosted:
+            return getattr(self.shards[shard], method)(*args)
+        return getattr(self.shards[shard], method).remote(*args)
+
+    def pull(
+        self, table: str, keys: np.ndarray, create: bool = True, split: KeySplit | None = None
+    ) -> np.ndarray:
+        """Rows for `keys` of any shape: float32[*keys.shape, dim] (`split`: its precomputed split)."""
+        split = split or self.split(keys)
+        calls = {
+            s: self._call(s, "pull", table, split.unique[pos], create, True)
+            for s, pos in enumerate(split.positions)
             if len(pos)
         }
-        parts = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        parts = calls if self.hosted else dict(zip(calls, ray.get(list(calls.values())), strict=True))
         dim = next(iter(parts.values())).shape[1]
-        rows = np.empty((len(unique), dim), dtype=np.float32)
-        for s, part in parts.items():
-            rows[positions[s]] = part
-        return rows[inverse].reshape(*keys.shape, dim)
+        if len(parts) == 1:
+            rows = next(iter(parts.values()))
+        else:
+            rows = np.empty((len(split.unique), dim), dtype=np.float32)
+            for s, part in parts.items():
+                rows[split.positions[s]] = part
+        return rows[split.inverse].reshape(*split.shape, dim)
 
     def push(
-        self, table: str, keys: np.ndarray, grads: np.ndarray, tag: tuple[int, int, int] | None = None
+        self,
+        table: str,
+        keys: np.ndarray,
+        grads: np.ndarray,
+        tag: tuple[int, int, int] | None = None,
+        split: KeySplit | None = None,
     ) -> list[Any]:
-        """Sum the gradients of equal keys here (float64), send each shard its part; returns refs.
-        With a `tag` every shard gets a call (maybe with no keys), so each counts the batch."""
-        keys = np.asarray(keys)
-        unique, inverse, positions = self._split(keys)
-        flat = np.asarray(grads, dtype=np.float32).reshape(len(inverse), -1)
-        summed = np.empty((len(unique), flat.shape[1]), dtype=np.float32)
-        for column in range(flat.shape[1]):
-            summed[:, column] = np.bincount(inverse, weights=flat[:, column], minlength=len(unique))
-        return [
-            self.shards[s].push.remote(table, unique[pos], summed[pos], tag)
-            for s, pos in enumerate(positions)
+        """Sum the gradients of equal keys here (float64), send each shard its part; returns refs
+        (none for hosted shards: they have applied it on return). With a `tag` every shard gets a
+        call (maybe with no keys), so each counts the batch."""
+        split = split or self.split(keys)
+        summed = sum_rows(split.inverse, grads, len(split.unique))
+        calls = [
+            self._call(s, "push", table, split.unique[pos], summed[pos], tag, True)
+            for s, pos in enumerate(split.positions)
             if len(pos) or tag is not None
         ]
+        return [] if self.hosted else calls
 
     def stats(self) -> list[dict[str, Any]]:
-        return ray.get([s.stats.remote() for s in self.shards])
+        return [self._call(s, "stats") for s in range(len(self.shards))] if self.hosted else ray.get(
+            [s.stats.remote() for s in self.shards]
+        )
 
     def states(self) -> list[dict[str, np.ndarray]]:
+        if self.hosted:
+            return [s.state() for s in self.shards]
         return ray.get([s.state.remote() for s in self.shards])

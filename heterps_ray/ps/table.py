@@ -49,6 +49,16 @@ def initial_rows(keys: np.ndarray, dim: int, seed: int, scale: float) -> np.ndar
     return ((2.0 * unit - 1.0) * scale).astype(np.float32)
 
 
+def sum_rows(inverse: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """float32[n, dim]: the rows of `values` summed by group `inverse` (in float64, so the result does
+    not depend on the order of duplicates). bincount per column is much faster than np.add.at."""
+    flat = np.asarray(values, dtype=np.float32).reshape(len(inverse), -1)
+    out = np.empty((n, flat.shape[1]), dtype=np.float32)
+    for column in range(flat.shape[1]):
+        out[:, column] = np.bincount(inverse, weights=flat[:, column], minlength=n)
+    return out
+
+
 class _KeyIndex:
     """Open-addressing hash map int64 key -> int64 row (linear probing, load factor <= 1/2).
 
@@ -134,36 +144,41 @@ class SparseTable:
     def __len__(self) -> int:
         return self._num_rows
 
-    def pull(self, keys: np.ndarray, create: bool = True) -> np.ndarray:
+    def pull(self, keys: np.ndarray, create: bool = True, unique: bool = False) -> np.ndarray:
         """Rows for `keys` (any shape is flattened), float32[n, dim]. Missing rows are created, or,
-        with ``create=False`` (evaluation), returned at their initial value without being stored."""
+        with ``create=False`` (evaluation), returned at their initial value without being stored.
+        ``unique=True`` promises the keys are distinct (a PS client already de-duplicated them)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        unique, inverse = np.unique(keys, return_inverse=True)
-        rows = self._index.lookup(unique)
+        if unique:
+            distinct, inverse = keys, None
+        else:
+            distinct, inverse = np.unique(keys, return_inverse=True)
+        rows = self._index.lookup(distinct)
         missing = rows < 0
-        if not missing.any():
-            return self._weights[rows[inverse]]
-        if create:
-            rows[missing] = self._create(unique[missing])
-            return self._weights[rows[inverse]]
-        values = np.empty((len(unique), self.dim), dtype=np.float32)
-        values[~missing] = self._weights[rows[~missing]]
-        values[missing] = initial_rows(unique[missing], self.dim, self.seed, self.init_scale)
-        return values[inverse]
+        if missing.any() and create:
+            rows[missing] = self._create(distinct[missing])
+        if create or not missing.any():
+            values = self._weights[rows]
+        else:
+            values = np.empty((len(distinct), self.dim), dtype=np.float32)
+            values[~missing] = self._weights[rows[~missing]]
+            values[missing] = initial_rows(distinct[missing], self.dim, self.seed, self.init_scale)
+        return values if inverse is None else values[inverse]
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> None:
-        """Apply one Adagrad step with `grads` (float32[n, dim]); gradients of repeated keys are summed."""
+    def push(self, keys: np.ndarray, grads: np.ndarray, unique: bool = False) -> None:
+        """Apply one Adagrad step with `grads` (float32[n, dim]); gradients of repeated keys are summed.
+        ``unique=True`` promises the keys are distinct (their gradients already summed)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         grads = np.asarray(grads).reshape(len(keys), self.dim)
-        unique, inverse = np.unique(keys, return_inverse=True)
-        # bincount sums in float64, one column at a time (much faster than np.add.at).
-        g = np.empty((len(unique), self.dim), dtype=np.float32)
-        for column in range(self.dim):
-            g[:, column] = np.bincount(inverse, weights=grads[:, column], minlength=len(unique))
-        rows = self._index.lookup(unique)
+        if unique:
+            distinct, g = keys, np.asarray(grads, dtype=np.float32)
+        else:
+            distinct, inverse = np.unique(keys, return_inverse=True)
+            g = sum_rows(inverse, grads, len(distinct))
+        rows = self._index.lookup(distinct)
         missing = rows < 0
         if missing.any():  # a push before any pull (e.g. async mode): start from the initial row
-            rows[missing] = self._create(unique[missing])
+            rows[missing] = self._create(distinct[missing])
         accum = self._accum[rows] + g * g
         self._accum[rows] = accum
         self._weights[rows] -= self.lr * g / (np.sqrt(accum) + np.float32(ADAGRAD_EPS))

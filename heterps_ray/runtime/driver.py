@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -48,14 +49,14 @@ from heterps_ray.runtime.faults import (
     is_actor_death,
 )
 from heterps_ray.runtime.pipeline import StageSpec, check_capacity, resolve_stages
+from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
 from heterps_ray.runtime.workers import (
     SPARSE_TABLE,
     DataSettings,
     DataWorker,
+    HostedPS,
     StageWorker,
     WorkerSettings,
-    canonical_names,
-    dense_table_name,
 )
 
 SUMMARY_FILE = "run_summary.json"
@@ -246,6 +247,8 @@ class _Run:
             init_accumulator=job.optimizer.sparse_init_accumulator,
             init_scale=model.embedding_init_scale,
         )
+        # one DataWorker and no replicated stage: the PS shards live in its process (no PS calls)
+        self.hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in stages)
         self.shards: list[Any] = []
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
@@ -295,8 +298,11 @@ class _Run:
             micro_batches=self.job.runtime.micro_batches,
             epochs=self.job.runtime.epochs,
             max_in_flight=self.job.runtime.max_in_flight,
+            batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
+            compiled_chain=self.job.runtime.compiled_graph,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
+        shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
         return (
             ray.remote(DataWorker)
             .options(**options)
@@ -307,22 +313,26 @@ class _Run:
                 self._settings(stage0),
                 data,
                 self.stage_workers,
-                self.shards,
+                shards,
                 self._dense_ps(stage0),
                 self._generation,
             )
         )
 
     def _all_actors(self) -> list[tuple[str, int, int, Any]]:
-        """(kind, stage, replica, handle) of every actor; PS shards have stage -1."""
-        out = [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
+        """(kind, stage, replica, handle) of every actor; PS shards have stage -1 (hosted shards are
+        no actors: they live and die with DataWorker 0)."""
+        out = [] if self.hosted else [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
         for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
             out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
         return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
 
     def start(self) -> list[dict[str, Any]]:
         """Start shards, stage workers and data workers; wait until all are placed."""
-        self.shards = [self._new_shard(i) for i in range(self.num_shards)]
+        if self.hosted:
+            self.shards = [_HostedShard(self, i) for i in range(self.num_shards)]
+        else:
+            self.shards = [self._new_shard(i) for i in range(self.num_shards)]
         if self.job.mode == "async":
             self._register_dense_tables(range(self.num_shards))
         self.stage_workers = [
@@ -344,14 +354,17 @@ class _Run:
             ) from None
 
     def _dense_ps(self, stage: StageSpec) -> Any:
-        return self.shards[stage.index % self.num_shards] if self.job.mode == "async" else None
+        """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
+        if dense_home(self.job.mode, stage.replicas) != "ps":
+            return None
+        return self.shards[stage.index % self.num_shards]
 
     def _register_dense_tables(self, shards: Any) -> None:
         """Async mode: the initial dense weights of every stage whose PS shard is in `shards`."""
         refs = []
         wanted = set(shards)
         for stage in self.stages:
-            if stage.index % self.num_shards not in wanted:
+            if stage.index % self.num_shards not in wanted or self._dense_ps(stage) is None:
                 continue
             module = self.model.build(stage.start, stage.end, self.job.seed)
             names = canonical_names(module, self.model)
@@ -592,7 +605,12 @@ class _Run:
         for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
             refs += [w.rewire.remote(self._generation, self._dense_ps(stage)) for w in replicas]
         refs += [
-            w.rewire.remote(self._generation, self.stage_workers, self.shards, self._dense_ps(self.stages[0]))
+            w.rewire.remote(
+                self._generation,
+                self.stage_workers,
+                [] if self.hosted else self.shards,
+                self._dense_ps(self.stages[0]),
+            )
             for w in self.data_workers
         ]
         ray.get(refs)
@@ -786,9 +804,27 @@ class _Run:
         )
 
     def shutdown(self) -> None:
-        for actor in self.data_workers + [a for r in self.stage_workers for a in r] + self.shards:
+        # compiled chains first: their actors' loops end cleanly before the actors are killed
+        ray.wait([w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10)
+        for *_, actor in self._all_actors():
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
+
+
+class _HostedShard:
+    """A PS shard hosted in DataWorker 0's process, addressed like a shard actor: ``shard.m.remote(...)``
+    calls ``DataWorker.shard_call(index, "m", ...)`` on whichever DataWorker 0 is current."""
+
+    def __init__(self, run: _Run, index: int):
+        self._run, self._index = run, index
+
+    def __getattr__(self, method: str) -> Any:
+        run, index = self._run, self._index
+
+        def remote(*args: Any) -> Any:
+            return run.data_workers[0].shard_call.remote(index, method, *args)
+
+        return SimpleNamespace(remote=remote)
 
 
 class _ReplacementWait:

@@ -25,8 +25,11 @@ import torch
 
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import PSClient, actor_placement
-from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, pick_device, route, to_wire
+from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
+from heterps_ray.runtime.chain import CompiledChain, channel_bytes, copy_wire
+from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
+from heterps_ray.runtime.reader import Prefetcher
+from heterps_ray.runtime.stage import StageCompute, Stash
 
 SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
 
@@ -54,59 +57,30 @@ class DataSettings:
     micro_batches: int
     epochs: int
     max_in_flight: int
+    batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
+    compiled_chain: bool = True  # single-replica stage chains as a Ray Compiled Graph (chain.py)
 
 
-def canonical_names(module: torch.nn.Module, model: ModelSpec) -> dict[str, str]:
-    """Parameter name in a stage module ("layers.0.linear.weight") -> name in the whole model
-    ("fc1.linear.weight"), so dense weights saved from any split of stages line up."""
-    first = getattr(module, "first", 0)
-    out = {}
-    for name, _ in module.named_parameters():
-        _, index, rest = name.split(".", 2)
-        out[name] = f"{model.layers[first + int(index)].name}.{rest}"
-    return out
+@dataclass(frozen=True)
+class HostedPS:
+    """The PS shards a DataWorker hosts in its own process (a plan with one DataWorker and no
+    replicated stage): the driver reaches them through ``DataWorker.shard_call``."""
+
+    num_shards: int
+    tables: dict[str, TableSpec]
 
 
-def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer | None:
-    """The dense optimizer of the reference trainer (Adam or SGD at dense_lr); None without params."""
-    if not params:
-        return None
-    if config.dense == "adam":
-        return torch.optim.Adam(params, lr=config.dense_lr)
-    return torch.optim.SGD(params, lr=config.dense_lr)
-
-
-def train_state_of(module: torch.nn.Module, names: dict[str, str], optimizer: Any) -> dict[str, np.ndarray]:
-    """Dense weights and optimizer state (e.g. Adam moments and step) as flat named numpy arrays."""
-    out = {f"param/{names[k]}": v.detach().cpu().numpy() for k, v in module.named_parameters()}
-    if optimizer is not None:
-        state = optimizer.state_dict()["state"]
-        for i, (local, _) in enumerate(module.named_parameters()):
-            for key, value in state.get(i, {}).items():
-                out[f"optim/{names[local]}/{key}"] = torch.as_tensor(value).detach().cpu().numpy()
-    return out
-
-
-def load_train_state(
-    module: torch.nn.Module, names: dict[str, str], optimizer: Any, state: dict[str, np.ndarray]
-) -> None:
-    """Restore what :func:`train_state_of` returned (same stage layout)."""
-    with torch.no_grad():
-        for local, p in module.named_parameters():
-            p.copy_(torch.from_numpy(np.asarray(state[f"param/{names[local]}"])).to(p.device))
-    if optimizer is not None:
-        saved = optimizer.state_dict()
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for i, (local, _) in enumerate(module.named_parameters()):
-            prefix = f"optim/{names[local]}/"
-            entries = {
-                k[len(prefix) :]: torch.from_numpy(np.array(v))
-                for k, v in state.items()
-                if k.startswith(prefix)
-            }
-            if entries:
-                per_param[i] = entries
-        optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})
+def _compute(stage: StageSpec, model: ModelSpec, settings: WorkerSettings, dense_ps: Any) -> StageCompute:
+    return StageCompute(
+        stage,
+        model,
+        settings.seed,
+        settings.mode,
+        settings.optimizer,
+        settings.device,
+        settings.max_staleness,
+        dense_ps,
+    )
 
 
 def _placement(**fields: Any) -> dict[str, Any]:
@@ -146,57 +120,6 @@ class _Busy:
         return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
 
 
-class _DenseReplica:
-    """Async mode: the dense weights of a stage live on a PS shard. Each backward pushes its
-    gradients there; the replica pulls fresh weights when it is more than `max_staleness` versions
-    behind (Paddle's a_sync with bounded staleness). Weights are replaced through ``.data`` so
-    micro-batches already in flight finish their backward on the weights they started with."""
-
-    def __init__(
-        self, ps: Any, name: str, module: torch.nn.Module, names: dict[str, str], max_staleness: int
-    ):
-        self.ps, self.name, self.module, self.names = ps, name, module, names
-        self.max_staleness = max_staleness
-        self.version = 0  # version of the weights held locally
-        self.latest = 0  # newest version known to exist on the PS
-        self.pulls = 0
-        self.max_lag = 0  # most versions behind the newest known one when computing
-        self._last_push: Any = None
-
-    def update(self) -> None:
-        grads = {}
-        for local, p in self.module.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[self.names[local]] = g.detach().cpu().numpy()
-        if self._last_push is not None:
-            self.latest = max(self.latest, ray.get(self._last_push))
-        if self.latest - self.version > self.max_staleness:
-            self.pull()
-        self.max_lag = max(self.max_lag, self.latest - self.version)
-        self._last_push = self.ps.push_dense.remote(self.name, grads)
-        self.module.zero_grad(set_to_none=True)
-
-    def pull(self) -> None:
-        version, params = ray.get(self.ps.pull_dense.remote(self.name))
-        with torch.no_grad():
-            for local, p in self.module.named_parameters():
-                p.data.copy_(torch.from_numpy(np.array(params[self.names[local]])).to(p.device))
-        self.version = version
-        self.latest = max(self.latest, version)
-        self.pulls += 1
-
-    def flush(self) -> None:
-        if self._last_push is not None:
-            self.latest = max(self.latest, ray.get(self._last_push))
-            self._last_push = None
-
-    def reset(self, ps: Any) -> None:
-        """After a recovery: talk to `ps` (maybe a new shard), forget pending pushes, pull afresh."""
-        self.ps, self._last_push = ps, None
-        self.pull()
-        self.latest = self.version
-
-
 class StageWorker:
     """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
     gradient comes back; the last stage computes the loss. Saved activations are keyed by
@@ -212,22 +135,10 @@ class StageWorker:
     ):
         torch.set_num_threads(settings.torch_threads)
         self.stage, self.replica, self.settings = stage, replica, settings
-        self.device = pick_device(settings.device)
-        self.model = model
-        self.module = model.build(stage.start, stage.end, settings.seed).to(self.device)
-        self.names = canonical_names(self.module, model)
+        self.compute = _compute(stage, model, settings, dense_ps)
+        self.device = self.compute.device
         self.is_last = stage.end == model.num_layers
-        self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
-        self._optimizer = None
-        self._dense: _DenseReplica | None = None
-        has_params = any(True for _ in self.module.parameters())
-        if settings.mode == "sync":
-            self._optimizer = make_optimizer(list(self.module.parameters()), settings.optimizer)
-        elif has_params:
-            self._dense = _DenseReplica(
-                dense_ps, dense_table_name(stage.index), self.module, self.names, settings.max_staleness
-            )
-            self._dense.pull()
+        self._saved: dict[int, Stash] = {}
         # Raised at each recovery: calls sent before it (still queued, maybe behind a dead actor's
         # result) are dropped, so none can step an optimizer after the rollback.
         self._generation = 0
@@ -250,11 +161,10 @@ class StageWorker:
         if gen < self._generation:
             return []
         with self._busy:
-            inputs = from_wire(x, self.device, requires_grad=True)
-            out = self.module(inputs)
-            self._saved[mb_id] = (inputs, out)
-            self._note_forward(len(inputs[0]))
-            return to_wire(out)
+            stash = self.compute.forward(from_wire(x, self.device, requires_grad=True))
+            self._saved[mb_id] = stash
+            self._note_forward(len(stash.inputs[0]))
+            return to_wire(stash.outputs)
 
     @ray.method(num_returns=2)
     def forward_backward(
@@ -265,9 +175,10 @@ class StageWorker:
             return [], float("nan")
         with self._busy:
             inputs = from_wire(x, self.device, requires_grad=True)
-            (logit,) = self.module(inputs)
+            stash = self.compute.forward(inputs, backward_next=True)
+            (logit,) = stash.outputs
             loss = loss_fn(logit, torch.from_numpy(np.asarray(label)).to(self.device))
-            (loss * scale).backward()
+            self.compute.backward(stash, loss=loss * scale)
             self._note_forward(len(logit))
             grads = to_wire([t.grad if t.requires_grad else None for t in inputs])
             self._after_backward(step)
@@ -278,21 +189,31 @@ class StageWorker:
         if gen < self._generation:
             return []
         with self._busy:
-            inputs, out = self._saved.pop(mb_id)
-            roots, seeds = [], []
-            for o, g in zip(out, grads, strict=True):
-                if g is not None and o.requires_grad:
-                    roots.append(o)
-                    seeds.append(torch.from_numpy(np.asarray(g)).to(self.device))
-            if roots:
-                torch.autograd.backward(roots, seeds)
+            stash = self._saved.pop(mb_id)
+            self.compute.backward(stash, grads)
             self._after_backward(step)
-            return to_wire([t.grad if t.requires_grad else None for t in inputs])
+            return to_wire([t.grad if t.requires_grad else None for t in stash.inputs])
 
     def predict(self, x: Wire) -> Wire:
         """Forward only (evaluation); nothing is kept."""
         with self._busy, torch.no_grad():
-            return to_wire(self.module(from_wire(x, self.device)))
+            return to_wire(self.compute.module(from_wire(x, self.device)))
+
+    # The same three steps as nodes of a compiled chain (chain.py): inputs come off a channel.
+
+    def chain_forward(self, mb_id: int, x: Wire, gen: int) -> Wire:
+        return self.forward(mb_id, copy_wire(x), gen)
+
+    def chain_forward_backward(
+        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int
+    ) -> tuple[Wire, float]:
+        return self.forward_backward(mb_id, copy_wire(x), np.array(label), scale, step, gen)
+
+    def chain_backward(
+        self, mb_id: int, upstream: tuple[Wire, float], step: bool, gen: int
+    ) -> tuple[Wire, float]:
+        grads, loss = upstream
+        return self.backward(mb_id, copy_wire(grads), step, gen), loss
 
     def _note_forward(self, samples: int) -> None:
         self._counts["forward"] += 1
@@ -303,21 +224,12 @@ class StageWorker:
 
     def _after_backward(self, step: bool) -> None:
         self._counts["backward"] += 1
-        if self._optimizer is not None and step:
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
-            self._counts["updates"] += 1
-        elif self._dense is not None:
-            self._dense.update()
+        if self.compute.step(step):
             self._counts["updates"] += 1
 
     def refresh(self) -> int:
         """Async mode: wait for the last push and load the newest weights (before evaluation)."""
-        if self._dense is not None:
-            self._dense.flush()
-            self._dense.pull()
-            return self._dense.version
-        return 0
+        return self.compute.refresh()
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters; the driver diffs them per progress interval."""
@@ -330,35 +242,28 @@ class StageWorker:
             **self._counts,
         }
         self._counts["peak_pending"] = len(self._saved)
-        if self._dense is not None:
-            out["dense_pulls"] = self._dense.pulls
-            out["dense_max_lag"] = self._dense.max_lag
+        if self.compute.dense is not None:
+            out["dense_pulls"] = self.compute.dense.pulls
+            out["dense_max_lag"] = self.compute.dense.max_lag
         return out
 
     def dense_state(self) -> dict[str, np.ndarray]:
         """The stage's dense weights under their whole-model names."""
-        return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
+        return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""
-        return train_state_of(self.module, self.names, self._optimizer)
+        return self.compute.train_state()
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> None:
-        load_train_state(self.module, self.names, self._optimizer, state)
+        self.compute.load_train_state(state)
 
     def rewire(self, generation: int, dense_ps: Any = None) -> None:
         """After a fault elsewhere: drop half-done micro-batches and calls of older generations, and
         use the (new) PS shard."""
         self._generation = generation
         self._saved.clear()
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
-        if self._dense is not None:
-            self._dense.reset(dense_ps)
-
-
-def dense_table_name(stage_index: int) -> str:
-    return f"stage{stage_index}"
+        self.compute.rewire(dense_ps)
 
 
 @dataclass
@@ -373,10 +278,11 @@ class _MicroBatch:
     rows: slice  # where it sits in its batch
     grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
     loss_weight: float  # weight of its mean loss in the batch's reported loss
-    step: bool  # the last micro-batch of a sync batch: stages step their optimizers after it
+    step: bool  # local weights step after this micro-batch (a sync batch's last; every one in async)
+    split: KeySplit | None = None  # async: its keys' split, when it is the whole batch
     route: list[int] = field(default_factory=list)
     emb: torch.Tensor | None = None
-    out: tuple[torch.Tensor, ...] = ()
+    stash: Stash | None = None
     grad_ref: Any = None
     loss_ref: Any = None
     loss: float | None = None
@@ -388,6 +294,8 @@ class DataWorker:
 
     sync: one batch at a time, split into micro-batches; sparse gradients pushed once per batch.
     async: micro-batches stream continuously; sparse gradients pushed per micro-batch.
+    A reader thread reads, converts and splits the next batches' keys meanwhile (``reader.py``).
+    With a :class:`HostedPS` the PS shards live in this process and pulls and pushes are calls.
     """
 
     def __init__(
@@ -398,7 +306,7 @@ class DataWorker:
         settings: WorkerSettings,
         data: DataSettings,
         downstream: list[list[Any]],
-        shards: list[Any],
+        shards: list[Any] | HostedPS,
         dense_ps: Any = None,
         generation: int = 0,
     ):
@@ -406,22 +314,18 @@ class DataWorker:
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
         self._generation = generation  # see StageWorker: tags every call this worker sends
         self.model = model
-        self.device = pick_device(settings.device)
-        self.module = model.build(stage0.start, stage0.end, settings.seed).to(self.device)
-        self.names = canonical_names(self.module, model)
+        self.compute = _compute(stage0, model, settings, dense_ps)
+        self.device = self.compute.device
         self.downstream = downstream  # replicas of stages 1..S-1
-        self.ps = PSClient(shards)
+        self.hosted: list[PSShard] = []
+        if isinstance(shards, HostedPS):
+            self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
+            self.ps = PSClient(self.hosted, hosted=True)
+        else:
+            self.ps = PSClient(shards)
         self.sync = settings.mode == "sync"
-        self._optimizer = None
-        self._dense: _DenseReplica | None = None
-        if self.sync:
-            self._optimizer = make_optimizer(list(self.module.parameters()), settings.optimizer)
-        elif any(True for _ in self.module.parameters()):
-            self._dense = _DenseReplica(
-                dense_ps, dense_table_name(0), self.module, self.names, settings.max_staleness
-            )
-            self._dense.pull()
-        self._batches = self._read_batches()
+        self._chain: CompiledChain | None = None  # built on the first run (all actors placed by then)
+        self._batches = self._reader(skip=0)
         self._batch_index = 0
         self._updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
         self._counter = 0  # micro-batches started
@@ -436,7 +340,8 @@ class DataWorker:
         self._push_refs: list[Any] = []
         self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches
         self._busy = _Busy()
-        self._wait_s = 0.0
+        self._wait_s = 0.0  # blocked on gradients coming back
+        self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
         self._samples = 0
         self._metrics = _Metrics("data", 0, index)
@@ -450,7 +355,12 @@ class DataWorker:
             device=str(self.device),
             layers=list(self.stage0.layers),
             files=len(self.data.files),
+            hosted_shards=len(self.hosted),
         )
+
+    def shard_call(self, shard: int, method: str, *args: Any) -> Any:
+        """A method of a hosted PS shard, for the driver (snapshots, stats, restore, fence)."""
+        return getattr(self.hosted[shard], method)(*args)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -459,17 +369,24 @@ class DataWorker:
         t0 = time.perf_counter()
         first_batch = self._batch_index
         exhausted = False
+        if self._chain is None and self._wants_chain():
+            largest = max(layer.out_bytes_per_sample for layer in self.model.layers)
+            mb = self.data.batch_size // self.data.micro_batches
+            self._chain = CompiledChain(
+                [replicas[0] for replicas in self.downstream], channel_bytes([largest], mb), self._window
+            )
         for _ in range(steps):
-            with self._busy:
-                batch = next(self._batches, None)
-            if batch is None:
+            t_read = time.perf_counter()
+            item = next(self._batches, None)
+            self._read_wait_s += time.perf_counter() - t_read
+            if item is None:
                 exhausted = True
                 break
-            self._train_batch(batch)
+            self._train_batch(*item)
         self._drain()
         self._settle_pushes(0)
-        if self._dense is not None:
-            self._dense.flush()
+        if self.compute.dense is not None:
+            self.compute.dense.flush()
         losses = np.zeros(self._batch_index - first_batch)
         for b, loss in self._done:
             losses[b - first_batch] += loss
@@ -487,6 +404,15 @@ class DataWorker:
             **self.progress(),
         }
 
+    def _wants_chain(self) -> bool:
+        return self.data.compiled_chain and bool(self.downstream) and all(len(r) == 1 for r in self.downstream)
+
+    def close(self) -> None:
+        """Tear the compiled chain down (before the actors go, and before a rewire)."""
+        if self._chain is not None:
+            self._chain.close()
+            self._chain = None
+
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""
         return {"position": self._batch_index, "updates": self._updates}
@@ -494,36 +420,49 @@ class DataWorker:
     def rewire(
         self, generation: int, downstream: list[list[Any]], shards: list[Any], dense_ps: Any = None
     ) -> None:
-        """After a fault: forget everything in flight and talk to the (partly new) actors."""
+        """After a fault: forget everything in flight and talk to the (partly new) actors (hosted
+        shards stay this worker's own)."""
+        self.close()
         self._generation = generation
         self.downstream = downstream
-        self.ps = PSClient(shards)
+        if not self.hosted:
+            self.ps = PSClient(shards)
         self._fwd_q.clear()
         self._bwd_q.clear()
         self._push_refs.clear()
         self._done.clear()
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
-        if self._dense is not None:
-            self._dense.reset(dense_ps)
+        self.compute.rewire(dense_ps)
 
-    def _read_batches(self) -> Iterator[dict[str, np.ndarray]]:
+    def _reader(self, skip: int) -> Prefetcher:
+        """The reader thread over this worker's batches, from batch `skip` on, keys split by shard."""
         from heterps_ray.data.dataset import Dataset
 
         dataset = Dataset(self.data.path)
         files = [Path(f) for f in self.data.files]
-        for _ in range(self.data.epochs):
-            yield from dataset.iter_batches("train", self.data.batch_size, files=files, drop_last=True)
 
-    def _train_batch(self, batch: dict[str, np.ndarray]) -> None:
+        def batches() -> Iterator[dict[str, np.ndarray]]:
+            seen = 0
+            for _ in range(self.data.epochs):
+                for batch in dataset.iter_batches("train", self.data.batch_size, files=files, drop_last=True):
+                    seen += 1
+                    if seen > skip:
+                        yield batch
+            if seen < skip:
+                raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
+
+        def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit]:
+            return batch, self.ps.split(batch["keys"])
+
+        return Prefetcher(batches, prepare)
+
+    def _train_batch(self, batch: dict[str, np.ndarray], split: KeySplit) -> None:
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
         if self.sync:
             self._settle_pushes(0)  # ordering already holds; this surfaces PS errors early
             with self._busy:
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"])
+                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], split=split)
             self._batch_rows = rows
             self._batch_emb_grad = np.zeros_like(rows)
         for j in range(k):
@@ -537,12 +476,16 @@ class DataWorker:
                 rows=part,
                 grad_scale=mb / size if self.sync else 1.0,
                 loss_weight=mb / size,
-                step=self.sync and j == k - 1,
+                step=not self.sync or j == k - 1,
+                split=split if k == 1 else None,
                 route=route(self._counter, self.index, [len(r) for r in self.downstream]),
             )
             self._counter += 1
             self._submit(item)
-        if self.sync:
+        if not self.sync:
+            while self._batches_in_flight() > self.data.batches_ahead:
+                self._retire_oldest()
+        else:
             self._drain()
             assert self._batch_emb_grad is not None
             with self._busy:
@@ -551,16 +494,23 @@ class DataWorker:
                     batch["keys"],
                     self._batch_emb_grad,
                     (self.index, self._batch_index, self._generation),
+                    split=split,
                 )
                 self._updates += 1
         self._batch_index += 1
 
     # -- the in-flight window --------------------------------------------------------------------
 
+    def _batches_in_flight(self) -> int:
+        return len({item.batch for item in self._fwd_q} | {item.batch for item in self._bwd_q})
+
     def _submit(self, item: _MicroBatch) -> None:
         while len(self._fwd_q) + len(self._bwd_q) >= self._window:
             self._retire_oldest()
         self._forward(item)
+        if not self.downstream:  # nothing remote to overlap with: its update lands at once
+            self._finish(item)
+            return
         self._fwd_q.append(item)
         self._peak_in_flight = max(self._peak_in_flight, len(self._fwd_q) + len(self._bwd_q))
         if len(self._fwd_q) > self._lag:
@@ -582,17 +532,22 @@ class DataWorker:
             if self.sync:
                 rows = self._batch_rows[item.rows]
             else:
-                rows = self.ps.pull(SPARSE_TABLE, item.keys)
+                rows = self.ps.pull(SPARSE_TABLE, item.keys, split=item.split)
             item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
             dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
-            item.out = self.module((dense, item.emb))
+            item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
             if not self.downstream:  # one-stage pipeline: the loss is computed here
-                (logit,) = item.out
+                (logit,) = item.stash.outputs
                 loss = loss_fn(logit, torch.from_numpy(np.ascontiguousarray(item.label)).to(self.device))
-                (loss * item.grad_scale).backward()
+                self.compute.backward(item.stash, loss=loss * item.grad_scale)
                 item.loss = float(loss.detach())
                 return
-            ref: Any = to_wire(item.out)
+            ref: Any = to_wire(item.stash.outputs)
+        if self._chain is not None:
+            item.grad_ref = self._chain.submit(
+                item.id, ref, item.label, item.grad_scale, item.step, self._generation
+            )
+            return
         *middle, last = self.downstream
         for s, replicas in enumerate(middle):
             ref = replicas[item.route[s]].forward.remote(item.id, ref, self._generation)
@@ -601,7 +556,7 @@ class DataWorker:
         )
 
     def _backward(self, item: _MicroBatch) -> None:
-        if self.downstream:
+        if self.downstream and self._chain is None:
             grad = item.grad_ref
             for s in range(len(self.downstream) - 2, -1, -1):
                 grad = self.downstream[s][item.route[s]].backward.remote(
@@ -611,18 +566,16 @@ class DataWorker:
         self._bwd_q.append(item)
 
     def _finish(self, item: _MicroBatch) -> None:
+        assert item.stash is not None
         if self.downstream:
             t0 = time.perf_counter()
-            grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
+            if self._chain is not None:
+                grads, item.loss = self._chain.result(item.grad_ref)
+            else:
+                grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
             self._wait_s += time.perf_counter() - t0
             with self._busy:
-                roots, seeds = [], []
-                for o, g in zip(item.out, grads, strict=True):
-                    if g is not None and o.requires_grad:
-                        roots.append(o)
-                        seeds.append(torch.from_numpy(np.asarray(g)).to(self.device))
-                if roots:
-                    torch.autograd.backward(roots, seeds)
+                self.compute.backward(item.stash, grads)
         with self._busy:
             assert item.emb is not None and item.loss is not None
             emb_grad = item.emb.grad.detach().cpu().numpy() if item.emb.grad is not None else None
@@ -632,17 +585,17 @@ class DataWorker:
                     self._batch_emb_grad[item.rows] = emb_grad
                 else:
                     self._push_refs += self.ps.push(
-                        SPARSE_TABLE, item.keys, emb_grad, (self.index, item.batch, self._generation)
+                        SPARSE_TABLE,
+                        item.keys,
+                        emb_grad,
+                        (self.index, item.batch, self._generation),
+                        split=item.split,
                     )
                     self._updates += 1
                     self._settle_pushes(4 * len(self.ps.shards))
-            if self._optimizer is not None and item.step:
-                self._optimizer.step()
-                self._optimizer.zero_grad(set_to_none=True)
-            elif self._dense is not None:
-                self._dense.update()
+            self.compute.step(item.step)
         self._done.append((item.batch, item.loss * item.loss_weight))
-        item.emb, item.out = None, ()
+        item.emb, item.stash = None, None
         self._metrics.samples.inc(len(item.label))
 
     def _settle_pushes(self, keep: int) -> None:
@@ -677,7 +630,7 @@ class DataWorker:
                 rows = self.ps.pull(SPARSE_TABLE, batch["keys"], create=False)
                 emb = torch.from_numpy(rows).to(self.device)
                 dense = torch.from_numpy(np.ascontiguousarray(batch["dense"])).to(self.device)
-                ref: Any = to_wire(self.module((dense, emb)))
+                ref: Any = to_wire(self.compute.module((dense, emb)))
             for s, replica in enumerate(route(counter, self.index, [len(r) for r in self.downstream])):
                 ref = self.downstream[s][replica].predict.remote(ref)
             pending.append((ref, batch["label"]))
@@ -691,11 +644,7 @@ class DataWorker:
 
     def refresh(self) -> int:
         """Async mode: load the newest stage-0 weights from the PS (before evaluation)."""
-        if self._dense is not None:
-            self._dense.flush()
-            self._dense.pull()
-            return self._dense.version
-        return 0
+        return self.compute.refresh()
 
     def stats(self) -> dict[str, Any]:
         out = {
@@ -703,6 +652,7 @@ class DataWorker:
             "replica": self.index,
             "busy_s": self._busy.busy_s,
             "wait_s": self._wait_s,
+            "read_wait_s": self._read_wait_s,
             "samples": self._samples,
             "peak_pending": self._peak_in_flight,
         }
@@ -710,12 +660,12 @@ class DataWorker:
         return out
 
     def dense_state(self) -> dict[str, np.ndarray]:
-        return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
+        return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """Between runs: weights, optimizer state (sync) and the position in the data."""
         return {
-            **train_state_of(self.module, self.names, self._optimizer),
+            **self.compute.train_state(),
             "data/batch_index": np.array(self._batch_index, dtype=np.int64),
             "data/counter": np.array(self._counter, dtype=np.int64),
             "data/samples": np.array(self._samples, dtype=np.int64),
@@ -724,12 +674,10 @@ class DataWorker:
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> int:
         """Restore a :meth:`train_state` and skip the batches it had trained; returns how many."""
-        load_train_state(self.module, self.names, self._optimizer, state)
+        self.compute.load_train_state(state)
         skip = int(state["data/batch_index"])
-        self._batches = self._read_batches()
-        for _ in range(skip):
-            if next(self._batches, None) is None:
-                raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
+        self._batches.close()
+        self._batches = self._reader(skip)
         self._batch_index = skip
         self._counter = int(state["data/counter"])
         self._samples = int(state["data/samples"])

@@ -1,0 +1,50 @@
+"""Fault injection for the fault tests and scripts/bench_faults.py: kill one actor of a running job
+mid-chunk, through ``driver.train``'s ``on_chunk`` hook."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+
+
+class ActorKiller:
+    """Fault injection, an ``on_chunk`` hook of ``driver.train``: at the first chunk boundary it picks
+    the first actor of `kind` (ps_shard | data_worker | stage_worker), then a thread kills it, by
+    `method` ("ray.kill" or "sigkill" of its process), once the last PS shard has applied `after`
+    pushes: while the DataWorkers are mid-chunk. `killed_at` is the push count it struck at."""
+
+    def __init__(self, kind: str, method: str, after: int, timeout_s: float = 300.0):
+        self.kind, self.method, self.after, self.timeout_s = kind, method, after, timeout_s
+        self.thread: threading.Thread | None = None
+        self.killed_at: int | None = None
+
+    def __call__(self, live: Any) -> None:
+        if self.thread is not None:
+            return
+        victim = {
+            "ps_shard": live.shards[0],
+            "data_worker": live.data_workers[0],
+            "stage_worker": live.stage_workers[0][0],
+        }[self.kind]
+        pid = ray.get(victim.describe.remote())["pid"]
+        watched = live.shards[-1]  # never the victim unless the plan has a single shard
+        self.thread = threading.Thread(target=self._strike, args=(victim, pid, watched), daemon=True)
+        self.thread.start()
+
+    def _strike(self, victim: Any, pid: int, watched: Any) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            pushes = int(ray.get(watched.stats.remote())["pushes"])
+            if pushes >= self.after:
+                break
+            time.sleep(0.002)
+        self.killed_at = pushes
+        if self.method == "ray.kill":
+            ray.kill(victim, no_restart=True)
+        else:
+            os.kill(pid, signal.SIGKILL)
