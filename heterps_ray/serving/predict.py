@@ -12,6 +12,7 @@ input order (split by split, files by name): ``split``, ``label`` (when the inpu
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from heterps_ray.data.criteo import COLUMNS, LABEL_COLUMN
 from heterps_ray.data.layout import SPLITS, is_dataset
 from heterps_ray.errors import DataError
 from heterps_ray.serving.export import model_dir
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_ROWS = 4096
 OUTPUT_SCHEMA = pa.schema(
@@ -84,6 +87,11 @@ def predict(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     counts: dict[str, int] = {}
     metrics: dict[str, dict[str, float]] = {}
+    if not log.isEnabledFor(logging.INFO):
+        # Ray Data logs progress at INFO and re-reads its level from here whenever it runs: quiet
+        # unless the user asked for more (heterps -v).
+        os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
+        logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"])
     try:
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True  # one output row per input row, in input order
@@ -94,7 +102,7 @@ def predict(
                     fn_constructor_args=(str(model),),
                     batch_size=batch_rows,
                     batch_format="pyarrow",
-                    concurrency=actors,
+                    compute=ray.data.ActorPoolStrategy(size=actors),
                     num_cpus=1,
                 )
                 labels, logits = [], []
