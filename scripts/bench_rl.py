@@ -31,8 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0, help="problems are generate_problem(seed .. seed+n-1)")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds instead of --seed/--problems (e.g. those whose exact plan is in --exact-cache)",
+    )
     parser.add_argument("--layers", type=int, nargs=2, default=(3, 30), metavar=("LO", "HI"))
     parser.add_argument("--types", type=int, nargs=2, default=(2, 5), metavar=("LO", "HI"))
+    parser.add_argument(
+        "--catalogue",
+        default="classic",
+        help="generator catalogue: classic, or wide (issue 16: up to 11 types)",
+    )
     parser.add_argument("--modes", default="zero-shot", help="comma-separated: zero-shot, finetune, train")
     parser.add_argument(
         "--budget-s", type=float, default=60.0, help="seconds of training for finetune / train"
@@ -81,12 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     done = _done_rows(args.output, modes, baselines)
     rows = []
     with args.output.open("a") as out:
-        for seed in range(args.seed, args.seed + args.problems):
+        seeds = (
+            [int(x) for x in args.seeds.split(",")]
+            if args.seeds
+            else range(args.seed, args.seed + args.problems)
+        )
+        for seed in seeds:
             if seed in done:
                 rows.append(done[seed])
                 continue
             _wait_while_quiet()
-            problem = generate_problem(seed, num_layers=tuple(args.layers), num_types=tuple(args.types))
+            problem = generate_problem(
+                seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue=args.catalogue
+            )
             key = problem_fingerprint(problem)
             if key not in cache:
                 exact = get_scheduler("exact").schedule(problem)
@@ -171,7 +188,7 @@ def _markdown(rows: list[dict[str, Any]], columns: list[str], command: str, args
         SECTION,
         "",
         f"Command: `{command}`  ",
-        f"{len(rows)} generated problems (seeds {args.seed}..{args.seed + len(rows) - 1}, "
+        f"{len(rows)} generated problems (seeds {_seed_text(rows)}, {args.catalogue} catalogue, "
         f"{args.layers[0]}..{args.layers[1]} layers, {args.types[0]}..{args.types[1]} types), "
         f"{len(feasible)} with a feasible plan; {platform.node()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "`-policy` columns: the policy's own best plan (greedy rollout / sampled episodes) before local polishing.",
@@ -234,6 +251,13 @@ def _merged_table(paths: list[Path]) -> str:
             f"{'' if policy_only else _fmt(max(seconds))} |"
         )
     return "\n".join(lines)
+
+
+def _seed_text(rows: list[dict[str, Any]]) -> str:
+    seeds = [r["seed"] for r in rows]
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))) if seeds else True:
+        return f"{seeds[0]}..{seeds[-1]}" if seeds else "none"
+    return ",".join(str(s) for s in seeds)
 
 
 def _fmt(x: float) -> str:

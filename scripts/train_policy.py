@@ -2,10 +2,14 @@
 
     python scripts/train_policy.py --minutes 40 --seed 0
     python scripts/train_policy.py --iterations 5 --pool 20 --out /tmp/policy     # a smoke run
+    python scripts/train_policy.py --minutes 36 --pool 1000 --wide 400 --init runs/policy_issue8  # issue 16
     python scripts/train_policy.py --tune --samples 6 --seed 0 --ship             # Tune, ship the winner
 
 PPO (RLlib) on SchedulingEnv over a pool of generated problems (3..30 layers, 2..5 types by
-default), one problem drawn per episode. The reward is the log cost ratio to each problem's best
+default; `--wide N` adds N production-sized problems of the wide catalogue, 20..120 layers and 3..8
+types, GPU-only layers, tight and loose floors, binding instance limits), one problem drawn per episode.
+`--init` starts from a saved policy; one saved before the set encoder (network.py) is upgraded so that
+it starts out scoring exactly as it did. The reward is the log cost ratio to each problem's best
 heuristic plan, so the training curve (`curve` in policy.json) reads as "how much cheaper than the
 best simple plan, on average". The pool is drawn from seed + 1_000_000, so problems generated
 from small integer seeds (the benchmarks) are unseen.
@@ -45,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=1000, help="generated training problems")
     parser.add_argument("--layers", default="3,30", help="inclusive range of layers per problem")
     parser.add_argument("--types", default="2,5", help="inclusive range of resource types per problem")
+    parser.add_argument(
+        "--wide", type=int, default=0, help="extra training problems of the wide catalogue (issue 16)"
+    )
+    parser.add_argument(
+        "--wide-layers", default="20,120", help="inclusive range of layers of the wide problems"
+    )
+    parser.add_argument("--wide-types", default="3,8", help="inclusive range of types of the wide problems")
     parser.add_argument("--out", type=Path, default=PRETRAINED_DIR, help="where policy.pt / policy.json go")
     parser.add_argument("--save-every", type=int, default=10, help="iterations between saves")
     parser.add_argument(
@@ -106,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     layers = _int_range(args.layers)
     types = _int_range(args.types)
     started = time.perf_counter()
-    pool = training_pool(args.pool, args.seed, layers, types)
+    wide_layers, wide_types = _int_range(args.wide_layers), _int_range(args.wide_types)
+    pool = training_pool(
+        args.pool, args.seed, layers, types, wide=args.wide, wide_layers=wide_layers, wide_types=wide_types
+    )
     print(f"generated {len(pool)} problems in {time.perf_counter() - started:.0f} s", flush=True)
     curve: list[dict[str, float]] = []
     metadata = {
         "hidden": config.hidden,
+        "set_hidden": config.set_hidden,
         "type_features": list(TYPE_FEATURES),
         "context_features": list(CONTEXT_FEATURES),
         "config": dataclasses.asdict(config),
@@ -118,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "pool": args.pool,
         "layers": list(layers),
         "types": list(types),
+        "wide": args.wide,
+        "wide_layers": list(wide_layers),
+        "wide_types": list(wide_types),
         "command": command,
         "init": None if args.init is None else str(args.init),
         "curve": curve,

@@ -180,3 +180,24 @@ def test_heterps_compare_lists_each_scheduler_with_its_ratio(tmp_path, capsys):
     assert rows[0]["ratio_to_exact"] == pytest.approx(1.0)
     assert all(r["ratio_to_exact"] >= 1 - 1e-9 for r in rows if r["feasible"])
     assert rows[3]["ratio_to_exact"] > 1.5  # CPU only is far dearer for CTR-DNN here
+
+
+def test_heterps_plan_rl_plans_a_cluster_of_nine_types(tmp_path, capsys):
+    from heterps_ray.scheduling.generator import generate_problem
+
+    problem = generate_problem(
+        8, num_layers=(40, 40), num_types=(9, 9), catalogue="wide", infeasible_share=0.0
+    )
+    path = tmp_path / "nine.yaml"
+    path.write_text(yaml.safe_dump(problem.to_dict()))
+    code = main(["plan", "--problem", str(path)])  # the default scheduler: rl, zero-shot
+    out = capsys.readouterr()
+    assert code in (0, 3) and "Traceback" not in out.err
+    assert "plan by rl" in out.out
+    assert (code == 0) == get_scheduler("exact").schedule(load_problem(path)).feasible
+
+
+@pytest.mark.parametrize("flag", ["--budget-s", "--finetune-s"])
+def test_heterps_plan_bad_time_budget_exits_2_naming_the_field(flag, capsys):
+    assert main(["plan", "--problem", str(CTR), "--scheduler", "rl", flag, "-5"]) == 2
+    assert flag.removeprefix("--").replace("-", "_") in capsys.readouterr().err

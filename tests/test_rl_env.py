@@ -13,7 +13,7 @@ from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.provisioning import provision_counts
 from heterps_ray.scheduling.rl.env import (
     CONTEXT_FEATURES,
-    MAX_TYPES,
+    PRETRAIN_TYPES,
     REWARD_CLIP,
     TYPE_FEATURES,
     ProblemView,
@@ -72,8 +72,7 @@ def test_masks_follow_which_types_can_run_each_layer():
     for _ in range(20):
         actions, _, observations = _play(env, lambda obs: int(rng.choice(np.flatnonzero(obs["action_mask"]))))
         for layer, (obs, action) in enumerate(zip(observations, actions, strict=False)):
-            expected = np.zeros(MAX_TYPES)
-            expected[: problem.num_types] = model.runnable[layer]
+            expected = model.runnable[layer]  # one problem: the type axis is exactly its types
             np.testing.assert_array_equal(obs["action_mask"], expected)
             assert model.runnable[layer, action]
 
@@ -83,21 +82,23 @@ def test_masked_action_is_refused():
     env.reset(seed=0)
     with pytest.raises(ValueError, match="masked"):
         env.step(1)  # the GPU cannot run the embedding layer
+    padded = SchedulingEnv({"problem": _tiny_problem(), "pad_types": PRETRAIN_TYPES})
+    padded.reset(seed=0)
     with pytest.raises(ValueError, match="masked"):
-        env.step(4)  # padding: the problem has two types
+        padded.step(4)  # padding: the problem has two types
 
 
-@pytest.mark.parametrize(("layers", "types"), [(3, 2), (30, 5), (7, 3)])
+@pytest.mark.parametrize(("layers", "types"), [(3, 2), (30, 5), (7, 3), (90, 8)])
 def test_observation_has_one_shape_for_every_problem_size(layers, types):
-    problem = generate_problem(5, num_layers=(layers, layers), num_types=(types, types))
-    env = SchedulingEnv({"problem": problem})
+    problem = generate_problem(5, num_layers=(layers, layers), num_types=(types, types), catalogue="wide")
+    env = SchedulingEnv({"problem": problem, "pad_types": PRETRAIN_TYPES})
     actions, _, observations = _play(env, lambda obs: int(np.flatnonzero(obs["action_mask"])[0]))
     assert len(actions) == layers
     for obs in observations:
         assert env.observation_space.contains(obs)
-        assert obs["type_features"].shape == (MAX_TYPES, len(TYPE_FEATURES))
+        assert obs["type_features"].shape == (PRETRAIN_TYPES, len(TYPE_FEATURES))
         assert obs["context"].shape == (len(CONTEXT_FEATURES),)
-        np.testing.assert_array_equal(obs["type_present"], [1.0] * types + [0.0] * (MAX_TYPES - types))
+        np.testing.assert_array_equal(obs["type_present"], [1.0] * types + [0.0] * (PRETRAIN_TYPES - types))
         assert not obs["type_features"][types:].any()  # padded types carry no features
         assert obs["action_mask"][types:].sum() == 0
 
@@ -154,3 +155,12 @@ def test_problem_source_gives_a_new_problem_each_episode():
         env.reset(seed=seed)
         sizes.add((env.view.num_layers, env.view.num_types))
     assert len(sizes) > 1
+
+
+def test_env_refuses_a_problem_wider_than_its_padding():
+    problem = generate_problem(5, num_layers=(6, 6), num_types=(9, 9), catalogue="wide")
+    with pytest.raises(ValueError, match="pad_types"):
+        SchedulingEnv({"problem": problem, "pad_types": PRETRAIN_TYPES})
+    env = SchedulingEnv({"problem": problem})  # without a pad: exactly its 9 types
+    obs, _ = env.reset(seed=0)
+    assert obs["type_features"].shape == (9, len(TYPE_FEATURES))

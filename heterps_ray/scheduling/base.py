@@ -17,6 +17,7 @@ imports it.
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,6 +63,8 @@ def get_scheduler(name: str, **kwargs: Any) -> Scheduler:
     `kwargs` (typically seed, budget_s) go to its factory.
     """
     _import_builtins()
+    for option in ("budget_s", "finetune_s"):
+        _check_seconds(option, kwargs.get(option))
     if name.startswith("single:"):
         return _REGISTRY["single"](type_name=name.split(":", 1)[1], **kwargs)
     if name not in _REGISTRY and name in _OPTIONAL_MODULES:
@@ -70,6 +73,19 @@ def get_scheduler(name: str, **kwargs: Any) -> Scheduler:
         known = sorted(set(_REGISTRY) | set(_OPTIONAL_MODULES))
         raise ConfigError(None, "scheduler", f"one of {known} or single:<type>", name)
     return _REGISTRY[name](**kwargs)
+
+
+def _check_seconds(field: str, value: Any) -> None:
+    """A time budget is a positive, finite number of seconds (or None: the scheduler's default)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(None, field, "a positive, finite number of seconds", value)
 
 
 def available_schedulers() -> list[str]:

@@ -80,8 +80,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(plan.table())
     if not plan.feasible:
         # before --output is written: a plan that fails never replaces a file already there
-        exact = plan.scheduler in ("exact", "brute")  # others know only the plans they tried
-        _raise_infeasible(problem, args.problem, plan.best_throughput if exact else None)
+        # exact and rl decide infeasibility by an exhaustive search; others know only the plans they tried
+        decided = plan.scheduler in ("exact", "brute", "rl")
+        _raise_infeasible(problem, args.problem, plan.best_throughput if decided else None, plan.scheduler)
     if args.output:
         print(f"plan written to {plan.save(args.output)}")
     return 0
@@ -156,12 +157,22 @@ def _json_num(value: Any) -> Any:
     return value
 
 
-def _raise_infeasible(problem: Any, file: str, best: float | None) -> None:
+def _raise_infeasible(problem: Any, file: str, best: float | None, scheduler: str | None = None) -> None:
+    from heterps_ray.costmodel.analytic import FLOOR_RTOL
     from heterps_ray.errors import InfeasibleError
     from heterps_ray.scheduling.exact import max_reachable_throughput
 
     if best is None:
         best = max_reachable_throughput(problem)
+    if scheduler is not None and best >= problem.throughput_min * (1.0 - FLOOR_RTOL):
+        # the scheduler missed plans that exist: say so, never "no plan meets the floor"
+        raise InfeasibleError(
+            f"{file}: scheduler {scheduler!r} found no plan that meets the floor throughput_min = "
+            f"{problem.throughput_min:,.0f} samples/s, but such plans exist (the fastest reaches "
+            f"{best:,.0f} samples/s). Possible fixes: (1) --scheduler exact (the optimum) or rl; "
+            f"(2) give {scheduler!r} a larger --budget-s.",
+            best,
+        )
     raise InfeasibleError(
         f"{file}: no plan meets the floor throughput_min = {problem.throughput_min:,.0f} samples/s; "
         f"the highest throughput any plan reaches is {best:,.0f} samples/s. Possible fixes: "

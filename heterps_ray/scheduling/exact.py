@@ -445,21 +445,42 @@ class _LevelSearch:
 
     # -- all levels ----------------------------------------------------------------------------
 
-    def max_throughput(self, relaxed: bool = False) -> float:
+    def max_throughput(self, relaxed: bool = False, known: float = 0.0, bound: float = math.inf) -> float:
         """Highest throughput any plan reaches within max_instances (binary search over candidates);
-        relaxed: an upper bound that checks each stage against its type's limit alone."""
+        relaxed: an upper bound that checks each stage against its type's limit alone.
+
+        `known`: a throughput some plan is known to reach, `bound`: one no plan exceeds (e.g. the
+        relaxed bound); candidates outside them are not solved (fewer exact levels, same answer)."""
         cap_any = int(self.cap.max())
         ks = np.arange(1, cap_any + 1, dtype=np.float64)
         thetas = self._theta(ks[:, None, None, None])  # [K, L, L, T]
-        allowed = (ks[:, None, None, None] <= self.cap[None, None, None, :]) & self.valid[None]
+        allowed = (ks[:, None, None, None] <= self.cap[None, None, :]) & self.valid[None]
         candidates = np.unique(np.concatenate([thetas[allowed], self.ps_table]))
-        candidates = candidates[candidates > 0.0]
-        lo, hi = 0, len(candidates) - 1  # invariant: candidates[< lo] reachable, [> hi] not
-        if self.solve(float(candidates[0]), relaxed) is None:
+        candidates = candidates[(candidates > 0.0) & (candidates <= bound * (1.0 + _STEP_RTOL))]
+        if len(candidates) == 0:
             return 0.0
+        # invariant: candidates[<= lo] reachable (or lo = -1), candidates[> hi] not
+        lo = int(np.searchsorted(candidates, known * (1.0 - _REACH_RTOL), side="right")) - 1
+        hi = len(candidates) - 1
+        if lo < 0:
+            if self.solve(float(candidates[0]), relaxed) is None:
+                return 0.0
+            lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.solve(float(candidates[mid]), relaxed) is not None:
+            target = float(candidates[mid])
+            level = self.solve(target, relaxed=True)
+            if level is not None and not relaxed:
+                # cheap first: the relaxed plan's assignment, provisioned exactly, often reaches the
+                # level (and beyond: jump there); only when it does not is the level solved exactly
+                reached = provision_counts(self.model, level.assignment).max_throughput
+                if reached >= target * (1.0 - _REACH_RTOL):
+                    lo = max(
+                        mid, int(np.searchsorted(candidates, reached * (1.0 + _REACH_RTOL), side="right")) - 1
+                    )
+                    continue
+                level = self.solve(target)
+            if level is not None:
                 lo = mid
             else:
                 hi = mid - 1
@@ -547,6 +568,20 @@ def max_reachable_throughput(problem: Problem, relaxed: bool = False) -> float:
 
     relaxed: a fast upper bound that checks each stage against its type's limit, not their sum."""
     return _LevelSearch(CostModel(problem)).max_throughput(relaxed)
+
+
+def fastest_plan(
+    problem: Problem, model: CostModel | None = None, known: float = 0.0
+) -> tuple[float, tuple[int, ...] | None]:
+    """(highest throughput any plan reaches within max_instances, the assignment of a plan that
+    reaches it); (0.0, None) when no plan runs at all. One search decides both, so a scheduler that
+    reports "infeasible" with this throughput cannot contradict itself. `known`: a throughput some
+    plan is known to reach (speeds the search up, same answer)."""
+    search = _LevelSearch(model or CostModel(problem))
+    bound = search.max_throughput(relaxed=True, known=known)
+    theta_max = search.max_throughput(known=known, bound=bound) if bound > 0.0 else 0.0
+    level = search.solve(theta_max) if theta_max > 0.0 else None
+    return theta_max, None if level is None else tuple(int(t) for t in level.assignment)
 
 
 def throughput_bounds(problem: Problem) -> tuple[float, float]:

@@ -7,9 +7,15 @@ small head. The cluster is a CPU node type plus GPU kinds from a T4..H100-like c
 jittered prices, limits and networks. The floor is a random fraction (5%..100%) of a throughput
 some plan reaches; about one problem in ten gets a floor no plan reaches (infeasible).
 
+`catalogue="wide"` draws production-sized clusters (up to 11 types): the six GPU kinds plus more
+(A10G, L40S, H200) and a second CPU shape (`cpu_hi`, a compute-optimised node that holds big tables),
+and models with more embedding layers (up to one in ten). The default "classic" catalogue and its
+random stream are unchanged, so problems generated from the same seed stay the same.
+
 Example::
 
     problem = generate_problem(7, num_layers=(3, 30), num_types=(2, 5))
+    big = generate_problem(7, num_layers=(20, 120), num_types=(3, 8), catalogue="wide")
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ _GPU_KINDS = (
     ("a100", 4.10, 70.0, 4.0, True),
     ("h100", 6.90, 120.0, 6.0, True),
 )
+# The wide catalogue's extra kinds (same fields); `cpu_hi` is a CPU node (device cpu) that runs
+# every layer a CPU runs, ~2x faster on dense layers, at twice the price.
+_WIDE_KINDS = (
+    ("cpu_hi", 0.68, 2.2, 1.4, True),
+    ("a10g", 1.01, 24.0, 2.0, False),
+    ("l40s", 1.86, 45.0, 3.0, False),
+    ("h200", 8.60, 140.0, 7.0, True),
+)
+_CPU_KINDS = ("cpu_hi",)
+_CATALOGUES = {"classic": _GPU_KINDS, "wide": _GPU_KINDS + _WIDE_KINDS}
 
 
 def generate_problem(
@@ -37,19 +53,24 @@ def generate_problem(
     name: str | None = None,
     floor_fraction: tuple[float, float] = (0.05, 1.0),
     infeasible_share: float = 0.1,
+    catalogue: str = "classic",
 ) -> Problem:
-    """One random problem; `num_layers` / `num_types` are inclusive ranges (3..30, 2..5 supported).
+    """One random problem; `num_layers` / `num_types` are inclusive ranges (any layers >= 1; 2..7
+    types with the classic catalogue, 2..11 with the wide one).
 
     The floor is `floor_fraction` of a throughput some plan reaches, except for a share
     `infeasible_share` of problems whose floor is above every plan's throughput."""
+    if catalogue not in _CATALOGUES:
+        raise ValueError(f"catalogue must be one of {sorted(_CATALOGUES)}, got {catalogue!r}")
+    catalog = _CATALOGUES[catalogue]
     if not isinstance(rng, np.random.Generator):
         seed = int(rng)
         rng = np.random.default_rng(seed)
         name = name or f"generated-{seed}"
     L = int(rng.integers(num_layers[0], num_layers[1] + 1))
     T = int(rng.integers(num_types[0], num_types[1] + 1))
-    if L < 1 or not 2 <= T <= len(_GPU_KINDS) + 1:
-        raise ValueError(f"num_layers >= 1 and 2 <= num_types <= {len(_GPU_KINDS) + 1} (got {L}, {T})")
+    if L < 1 or not 2 <= T <= len(catalog) + 1:
+        raise ValueError(f"num_layers >= 1 and 2 <= num_types <= {len(catalog) + 1} (got {L}, {T})")
     batch_size = int(rng.choice([256, 512, 1024, 2048]))
 
     def jitter(x: float, spread: float = 0.25) -> float:
@@ -66,21 +87,23 @@ def generate_problem(
             "latency_ms": round(float(rng.uniform(0.1, 0.5)), 3),
         }
     ]
-    kinds = [_GPU_KINDS[i] for i in sorted(rng.choice(len(_GPU_KINDS), size=T - 1, replace=False))]
+    kinds = [catalog[i] for i in sorted(rng.choice(len(catalog), size=T - 1, replace=False))]
     for kind, price, _, _, _ in kinds:
+        is_cpu = kind in _CPU_KINDS
         resources.append(
             {
                 "name": kind,
-                "device": "cuda",
+                "device": "cpu" if is_cpu else "cuda",
                 "price_per_hour": round(jitter(price, 0.15), 3),
-                "max_instances": int(rng.choice([2, 4, 8, 16])),
+                "max_instances": int(rng.choice([8, 16, 32] if is_cpu else [2, 4, 8, 16])),
                 "bandwidth_gbps": float(rng.choice([25, 50, 100])),
                 "io_bandwidth_gbps": float(rng.choice([4, 8, 16])),
                 "latency_ms": round(float(rng.uniform(0.05, 0.3)), 3),
             }
         )
 
-    num_embedding = int(rng.integers(1, max(1, min(3, L - 1)) + 1)) if L > 1 else 1
+    most_embedding = 3 if catalogue == "classic" else max(3, L // 10)
+    num_embedding = int(rng.integers(1, max(1, min(most_embedding, L - 1)) + 1)) if L > 1 else 1
     layers = []
     for li in range(L):
         if li < num_embedding:
@@ -122,7 +145,9 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter)
         cpu = (rng.uniform(0.1, 0.5), rng.uniform(0.002, 0.01))  # fixed ms, ms per sample
         times = {"cpu": cpu}
         for name, _, _, memory_speedup, big_tables in kinds:
-            if big_tables or rng.random() < 0.4:
+            if name in _CPU_KINDS:  # a CPU node holds what a CPU holds
+                times[name] = (cpu[0] / jitter(1.3), cpu[1] / jitter(memory_speedup, 0.2))
+            elif big_tables or rng.random() < 0.4:
                 times[name] = (rng.uniform(0.5, 2.0), cpu[1] / jitter(memory_speedup, 0.4))
         return _entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
     per_sample_cpu = {
@@ -134,6 +159,10 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter)
     cpu = (rng.uniform(0.05, 0.3), rng.uniform(*per_sample_cpu[kind]))
     times = {} if kind == "attention" and rng.random() < 0.3 else {"cpu": cpu}
     for name, _, dense_speedup, _, _ in kinds:
+        if name in _CPU_KINDS:
+            if "cpu" in times:  # GPU-only layers stay GPU-only
+                times[name] = (cpu[0] / jitter(1.3), cpu[1] / jitter(dense_speedup, 0.2))
+            continue
         times[name] = (rng.uniform(0.1, 0.6), cpu[1] / jitter(dense_speedup, 0.4))
     out_bytes = 4 * int(rng.choice([1, 16, 32, 64, 128, 256, 512, 1024])) if kind != "head" else 4
     return _entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)

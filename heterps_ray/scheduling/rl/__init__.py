@@ -3,11 +3,11 @@
 Importing this package registers the scheduler "rl" (`get_scheduler("rl", budget_s=60)`).
 """
 
-from heterps_ray.scheduling.rl.env import MAX_TYPES, EpisodeResult, ProblemView, SchedulingEnv
+from heterps_ray.scheduling.rl.env import PRETRAIN_TYPES, EpisodeResult, ProblemView, SchedulingEnv
 from heterps_ray.scheduling.rl.scheduler import RLConfig, RLScheduler, greedy_rollout
 
 __all__ = [
-    "MAX_TYPES",
+    "PRETRAIN_TYPES",
     "EpisodeResult",
     "ProblemView",
     "RLConfig",

@@ -2,8 +2,10 @@
 
 One step = one layer. The observation describes the current layer on every resource type by
 features (times relative to the floor's time budget, prices, bandwidths, limits, what is already
-used), never by position or name, so one policy applies to any problem of 1..MAX_LAYERS layers and
-1..MAX_TYPES types. After the last layer, exact provisioning (the shared step every scheduler uses)
+used), never by position or name, so one policy applies to any number of layers and of types, listed
+in any order. The env pads the types to its `pad_types` (RLlib needs one observation shape for a
+training run: PRETRAIN_TYPES when pretraining); planning with a saved policy uses exactly the
+problem's types. After the last layer, exact provisioning (the shared step every scheduler uses)
 sets replicas and PS shards, and the reward is the cost relative to a per-problem reference.
 
 Reward (terminal only; why this shape):
@@ -32,7 +34,8 @@ import numpy as np
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
 
-MAX_TYPES = 5  # resource types are padded to this many (masked)
+PRETRAIN_TYPES = 8  # pretraining pads every problem's types to this many (masked); planning needs no pad
+_TYPES_SCALE = 5.0  # the "types" context feature is types / this (the first policy's padding width)
 REWARD_CLIP = 3.0  # |log cost ratio| beyond e^3 = 20x carries no more information
 _OBS_CLIP = 10.0  # every feature is clipped to +-this
 _MAX_MEMO = 50_000  # provisioned assignments remembered per problem
@@ -68,7 +71,7 @@ TYPE_FEATURES = (
 CONTEXT_FEATURES = (
     "progress",  # layers done / layers
     "layers",  # layers / 30
-    "types",  # types / MAX_TYPES
+    "types",  # types / 5
     "first",  # this is the first layer
     "parallel_fraction",  # Amdahl alpha of the current layer
     "stage_alpha",  # alpha of the current stage so far (1 when none)
@@ -110,13 +113,9 @@ class ProblemView:
     """Everything the env needs about one problem, computed once: cost model, static features, reference."""
 
     def __init__(self, problem: Problem):
-        if problem.num_types > MAX_TYPES:
-            raise ValueError(
-                f"the RL scheduler handles at most {MAX_TYPES} resource types, got {problem.num_types}"
-            )
         self.problem = problem
         self.model = model = CostModel(problem)
-        self.num_layers, self.num_types = L, T = model.num_layers, model.num_types
+        self.num_layers, self.num_types = model.num_layers, model.num_types
         # the floor's time budget: ms per batch one replica may take (inf without a floor)
         self.budget_ms = 1000.0 * model.batch_size / model.floor if model.floor > 0 else math.inf
         self._cache: dict[tuple[int, ...], Provisioned] = {}
@@ -129,9 +128,8 @@ class ProblemView:
         )
         self.rate_scale = self._rate_lower_bound()
         self.reference_cost = self._reference_cost()
-        self.static = self._static_features()  # [L, MAX_TYPES, _STATIC]
-        self.mask = np.zeros((L, MAX_TYPES), dtype=np.float32)
-        self.mask[:, :T] = model.runnable
+        self.static = self._static_features()  # [L, T, _STATIC]
+        self.mask = model.runnable.astype(np.float32)  # [L, T]
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -173,6 +171,10 @@ class ProblemView:
         if feasible:
             return feasible[:k]
         return sorted(results, key=lambda r: (-r.provisioned.max_throughput, r.assignment))[:k]
+
+    def fastest_seen(self) -> float:
+        """The highest throughput any assignment evaluated so far reaches (0 when none runs)."""
+        return max((p.max_throughput for p in self._cache.values()), default=0.0)
 
     def merge(self, other: ProblemView) -> None:
         """Take over another view's evaluations (the same problem seen by another env)."""
@@ -233,7 +235,7 @@ class ProblemView:
         rest_cheapest = np.cumsum(np.where(np.isfinite(cheapest), cheapest, 0.0)[::-1], axis=0)[::-1]
         rest_ratio = np.log(np.maximum(rest_dollar, 1e-12) / np.maximum(rest_cheapest, 1e-12))
 
-        f = np.zeros((L, MAX_TYPES, _STATIC), dtype=np.float64)
+        f = np.zeros((L, T, _STATIC), dtype=np.float64)
         f[:, :T, 0] = 1.0
         f[:, :T, 1] = runnable
         f[:, :T, 2] = np.log1p(compute)
@@ -272,7 +274,10 @@ class SchedulingEnv(gym.Env):
     """Assign layers to resource types one by one; the terminal reward prices the provisioned plan.
 
     env_config: ``problem`` (one Problem), or ``problems`` (a list, one drawn per episode), or
-    ``problem_source`` (a callable rng -> Problem, a fresh problem per episode: pretraining).
+    ``problem_source`` (a callable rng -> Problem, a fresh problem per episode: pretraining);
+    ``pad_types``: the width of the observation's type axis (default: the most types of
+    `problems`, PRETRAIN_TYPES with a `problem_source`). The network scores each type with shared
+    weights, so the width only serves RLlib's fixed spaces; padded types are masked.
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
@@ -285,8 +290,12 @@ class SchedulingEnv(gym.Env):
         )
         if not self.problems and self._source is None:
             raise ValueError("SchedulingEnv needs env_config 'problem', 'problems' or 'problem_source'")
+        widest = max((p.num_types for p in self.problems), default=0)
+        self.pad_types = int(config.get("pad_types") or max(widest, 0 if self.problems else PRETRAIN_TYPES))
+        if widest > self.pad_types:
+            raise ValueError(f"pad_types {self.pad_types} is below a problem's {widest} resource types")
         self._views: dict[int, ProblemView] = {}  # built on first use: a pretraining pool is large
-        self.observation_space, self.action_space = self.spaces()
+        self.observation_space, self.action_space = self.spaces(self.pad_types)
         self.view: ProblemView | None = None
         self.last_result: EpisodeResult | None = None
         self.episodes = 0
@@ -298,18 +307,18 @@ class SchedulingEnv(gym.Env):
         return self._views[index]
 
     @staticmethod
-    def spaces() -> tuple[gym.spaces.Dict, gym.spaces.Discrete]:
-        """(observation space, action space): the same for every problem."""
-        nt, nc = len(TYPE_FEATURES), len(CONTEXT_FEATURES)
+    def spaces(pad_types: int = PRETRAIN_TYPES) -> tuple[gym.spaces.Dict, gym.spaces.Discrete]:
+        """(observation space, action space) for a type axis of `pad_types` (any problem up to that)."""
+        nt, nc, T = len(TYPE_FEATURES), len(CONTEXT_FEATURES), int(pad_types)
         observation = gym.spaces.Dict(
             {
-                "action_mask": gym.spaces.Box(0.0, 1.0, (MAX_TYPES,), np.float32),
-                "type_present": gym.spaces.Box(0.0, 1.0, (MAX_TYPES,), np.float32),
-                "type_features": gym.spaces.Box(-_OBS_CLIP, _OBS_CLIP, (MAX_TYPES, nt), np.float32),
+                "action_mask": gym.spaces.Box(0.0, 1.0, (T,), np.float32),
+                "type_present": gym.spaces.Box(0.0, 1.0, (T,), np.float32),
+                "type_features": gym.spaces.Box(-_OBS_CLIP, _OBS_CLIP, (T, nt), np.float32),
                 "context": gym.spaces.Box(-_OBS_CLIP, _OBS_CLIP, (nc,), np.float32),
             }
         )
-        return observation, gym.spaces.Discrete(MAX_TYPES)
+        return observation, gym.spaces.Discrete(T)
 
     # -- gymnasium API -------------------------------------------------------------------------
 
@@ -326,9 +335,13 @@ class SchedulingEnv(gym.Env):
         else:
             self.view = self.problem_view(int(self.np_random.integers(len(self.problems))))
         v = self.view
+        if v.num_types > self.pad_types:
+            raise ValueError(
+                f"a problem of {v.num_types} resource types in an env padded to {self.pad_types}"
+            )
         self.assignment: list[int] = []
         self.layer = 0
-        self.used = np.zeros(MAX_TYPES)
+        self.used = np.zeros(v.num_types)
         self.used[v.model.ps_type] = v.ps_shards_needed
         self.stage_type = -1
         self.stage_start = 0
@@ -379,10 +392,11 @@ class SchedulingEnv(gym.Env):
         v = self.view
         assert v is not None, "call reset() first"
         nt, nc = len(TYPE_FEATURES), len(CONTEXT_FEATURES)
-        features = np.zeros((MAX_TYPES, nt))
+        P = self.pad_types
+        features = np.zeros((P, nt))
         context = np.zeros(nc)
-        mask = np.zeros(MAX_TYPES, dtype=np.float32)
-        present = np.zeros(MAX_TYPES, dtype=np.float32)
+        mask = np.zeros(P, dtype=np.float32)
+        present = np.zeros(P, dtype=np.float32)
         present[: v.num_types] = 1.0
         if terminal:
             # RLlib reads the final observation only for bootstrapping values; any legal shape works
@@ -390,8 +404,8 @@ class SchedulingEnv(gym.Env):
             return self._pack(mask, present, features, context)
         layer, m, budget = self.layer, v.model, v.budget_ms
         T = v.num_types
-        mask[:] = v.mask[layer]
-        features[:, :_STATIC] = v.static[layer]
+        mask[:T] = v.mask[layer]
+        features[:T, :_STATIC] = v.static[layer]
         scale = v.scale_ms
         alpha_l = float(m.parallel_fraction[layer])
         stage_alpha = self._stage_alpha()
@@ -436,7 +450,7 @@ class SchedulingEnv(gym.Env):
         context[:] = (
             layer / v.num_layers,
             v.num_layers / 30.0,
-            T / MAX_TYPES,
+            T / _TYPES_SCALE,
             float(layer == 0),
             alpha_l,
             stage_alpha,

@@ -1,8 +1,13 @@
-"""A policy as two small files (weights `policy.pt`, description `policy.json`), loadable without Ray.
+"""A policy as small files (weights `policy.pt`, the same weights as `policy.npz`, description
+`policy.json`), loadable without Ray.
 
 The pretrained policy shipped in the package lives in `pretrained/`; `scripts/train_policy.py`
 writes it. RLlib checkpoints (RLScheduler's `checkpoint_dir`) are for resuming training; this
-format is for shipping: a few tens of kB, plain torch, no pickled classes.
+format is for shipping: a few tens of kB, plain tensors, no pickled classes.
+
+Zero-shot planning reads `policy.npz` into `NumpyPolicy`, the network's forward pass in numpy: importing
+torch costs about 2 s of CPU, more than planning a 120-layer problem. `load_policy` gives the torch
+`PolicyNetwork` (fine-tuning, tests); a test checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from heterps_ray.errors import ConfigError, DataError
 
 PRETRAINED_DIR = Path(__file__).parent / "pretrained"
-_WEIGHTS, _META = "policy.pt", "policy.json"
+_WEIGHTS, _META, _ARRAYS = "policy.pt", "policy.json", "policy.npz"
 
 
 def has_policy(directory: str | Path = PRETRAINED_DIR) -> bool:
@@ -30,6 +37,7 @@ def save_policy(module: Any, directory: str | Path, metadata: dict[str, Any]) ->
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     torch.save(state, directory / _WEIGHTS)
+    np.savez(directory / _ARRAYS, **{k: v.numpy() for k, v in state.items()})
     (directory / _META).write_text(json.dumps(metadata, indent=1, default=float) + "\n")
     return directory
 
@@ -38,14 +46,9 @@ def policy_metadata(directory: str | Path = PRETRAINED_DIR) -> dict[str, Any]:
     return json.loads((Path(directory) / _META).read_text())
 
 
-def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
-    """A PolicyNetwork with the saved weights, built for the env's spaces (no Ray, no RLlib)."""
-    import torch
+def _checked_metadata(directory: Path) -> dict[str, Any]:
+    from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 
-    from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES, SchedulingEnv
-    from heterps_ray.scheduling.rl.network import PolicyNetwork
-
-    directory = Path(directory)
     meta = policy_metadata(directory)
     # a policy reads the observation by position: it is only valid for the features it was trained on
     for key, names in (("type_features", TYPE_FEATURES), ("context_features", CONTEXT_FEATURES)):
@@ -57,13 +60,27 @@ def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
                 "(scripts/train_policy.py)",
                 list(meta[key]),
             )
-    observation: Any = SchedulingEnv.spaces()[0]
+    return meta
+
+
+def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
+    """A PolicyNetwork with the saved weights, built for the env's spaces (no Ray, no RLlib)."""
+    import torch
+
+    from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
+    from heterps_ray.scheduling.rl.network import PolicyNetwork, upgrade_state
+
+    directory = Path(directory)
+    meta = _checked_metadata(directory)
     module = PolicyNetwork(
-        observation["type_features"].shape[1], observation["context"].shape[0], int(meta["hidden"])
+        len(TYPE_FEATURES),
+        len(CONTEXT_FEATURES),
+        int(meta["hidden"]),
+        int(meta.get("set_hidden", meta.get("config", {}).get("set_hidden", 32))),
     )
     try:
         state = torch.load(directory / _WEIGHTS, weights_only=True)
-        module.load_state_dict(state)
+        module.load_state_dict(upgrade_state(state, module))  # a policy saved before the set encoder too
     except Exception as exc:  # noqa: BLE001 - any failure to read the user's file is a DataError naming it
         # weights_only refuses pickled objects (UnpicklingError); a truncated or foreign file fails otherwise
         raise DataError(
@@ -71,3 +88,54 @@ def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
         ) from None
     module.eval()
     return module
+
+
+def load_planning_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
+    """What zero-shot planning rolls out: the NumpyPolicy of `policy.npz` when the directory has one
+    (no torch import), else the torch PolicyNetwork of `policy.pt`."""
+    directory = Path(directory)
+    if not (directory / _ARRAYS).exists():
+        return load_policy(directory)
+    _checked_metadata(directory)
+    try:
+        with np.load(directory / _ARRAYS, allow_pickle=False) as arrays:
+            return NumpyPolicy({k: arrays[k].astype(np.float64) for k in arrays.files})
+    except Exception as exc:  # noqa: BLE001 - any failure to read the user's file is a DataError naming it
+        raise DataError(
+            f"{directory / _ARRAYS}: not a policy's weights (arrays by layer name): {exc}"
+        ) from None
+
+
+_MASKED_LOGIT = -1.0e9  # as network.MASKED_LOGIT (that module imports torch)
+_NO_TYPE = -1.0e4
+
+
+class NumpyPolicy:
+    """network.PolicyNetwork's forward pass (`logits`) in numpy, from its state dict's arrays."""
+
+    def __init__(self, state: dict[str, np.ndarray]):
+        if "encode.0.weight" not in state:
+            raise DataError("a policy without the set encoder (encode.*): load it with load_policy")
+        self.state = state
+
+    def _mlp(self, name: str, x: np.ndarray) -> np.ndarray:
+        s = self.state
+        x = np.tanh(x @ s[f"{name}.0.weight"].T + s[f"{name}.0.bias"])
+        x = np.tanh(x @ s[f"{name}.2.weight"].T + s[f"{name}.2.bias"])
+        return x @ s[f"{name}.4.weight"].T + s[f"{name}.4.bias"]
+
+    def logits(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        """[batch, types] logits of a batch of observations (masked types: -1e9)."""
+        features, context, mask = obs["type_features"], obs["context"], obs["action_mask"]
+        own = np.concatenate(
+            [features, np.broadcast_to(context[..., None, :], (*features.shape[:-1], context.shape[-1]))],
+            axis=-1,
+        )
+        encoded = self._mlp("encode", own)
+        present = obs["type_present"][..., None]
+        mean = (encoded * present).sum(axis=-2) / np.maximum(present.sum(axis=-2), 1.0)
+        peak = np.where(present > 0.5, encoded, _NO_TYPE).max(axis=-2)
+        pooled = np.concatenate([mean, peak], axis=-1)[..., None, :]
+        pooled = np.broadcast_to(pooled, (*own.shape[:-1], pooled.shape[-1]))
+        logits = self._mlp("score", np.concatenate([own, pooled], axis=-1))[..., 0]
+        return np.where(mask < 0.5, _MASKED_LOGIT, logits)

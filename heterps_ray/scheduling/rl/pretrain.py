@@ -34,21 +34,48 @@ PRETRAIN_CONFIG = RLConfig(
 )
 
 
+WIDE_LAYERS, WIDE_TYPES = (20, 120), (3, 8)  # production-sized problems (issue 16), wide catalogue
+WIDE_SEED_OFFSET = 2_000_000  # the wide part of the training pool: seed + this
+
+
 def training_pool(
-    count: int, seed: int = 0, layers: tuple[int, int] = (3, 30), types: tuple[int, int] = (2, 5)
+    count: int,
+    seed: int = 0,
+    layers: tuple[int, int] = (3, 30),
+    types: tuple[int, int] = (2, 5),
+    *,
+    wide: int = 0,
+    wide_layers: tuple[int, int] = WIDE_LAYERS,
+    wide_types: tuple[int, int] = WIDE_TYPES,
 ) -> list[Problem]:
-    """`count` generated problems from the stream seed + TRAIN_SEED_OFFSET (never a benchmark problem)."""
+    """`count` generated problems from the stream seed + TRAIN_SEED_OFFSET, then `wide` problems of
+    the wide catalogue (`wide_layers` x `wide_types`) from seed + WIDE_SEED_OFFSET; never a benchmark
+    problem (those use small integer seeds)."""
     rng = np.random.default_rng(seed + TRAIN_SEED_OFFSET)
-    return [
+    pool = [
         generate_problem(rng, num_layers=layers, num_types=types, name=f"train-{i}") for i in range(count)
     ]
+    rng = np.random.default_rng(seed + WIDE_SEED_OFFSET)
+    pool += [
+        generate_problem(
+            rng, num_layers=wide_layers, num_types=wide_types, name=f"train-wide-{i}", catalogue="wide"
+        )
+        for i in range(wide)
+    ]
+    return pool
 
 
 def validation_problems(
-    count: int, layers: tuple[int, int] = (3, 30), types: tuple[int, int] = (2, 5)
+    count: int,
+    layers: tuple[int, int] = (3, 30),
+    types: tuple[int, int] = (2, 5),
+    catalogue: str = "classic",
 ) -> list[Problem]:
     """generate_problem(VALIDATION_SEED + i) for i < count: held out from pretraining and the benchmark."""
-    return [generate_problem(VALIDATION_SEED + i, num_layers=layers, num_types=types) for i in range(count)]
+    return [
+        generate_problem(VALIDATION_SEED + i, num_layers=layers, num_types=types, catalogue=catalogue)
+        for i in range(count)
+    ]
 
 
 def pretrain(

@@ -27,11 +27,18 @@ from typing import Any
 import numpy as np
 
 from heterps_ray.costmodel import Problem
+from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.plan import Plan
 from heterps_ray.scheduling.provisioning import plan_from_counts
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, SchedulingEnv, better
-from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, has_policy, load_policy
+from heterps_ray.scheduling.rl.policy import (
+    PRETRAINED_DIR,
+    NumpyPolicy,
+    has_policy,
+    load_planning_policy,
+    load_policy,
+)
 from heterps_ray.scheduling.rl.polish import polish
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,8 @@ class RLConfig:
     """environments stepped together by the one env runner (one forward pass serves all of them)"""
     hidden: int = 64
     """width of the two hidden layers of the type-scoring and value MLPs"""
+    set_hidden: int = 32
+    """width of the per-type encoder whose mean and max over the types the scorer also reads"""
     rollouts: int = 32
     """plans sampled from the final policy (besides its greedy plan) as candidates"""
     polish: bool = True
@@ -101,7 +110,8 @@ class RLConfig:
             .learners(num_learners=0)
             .rl_module(
                 rl_module_spec=RLModuleSpec(
-                    module_class=TypeScoringModule, model_config={"hidden": self.hidden}
+                    module_class=TypeScoringModule,
+                    model_config={"hidden": self.hidden, "set_hidden": self.set_hidden},
                 )
             )
             .training(
@@ -157,6 +167,13 @@ class RLScheduler(Scheduler):
         self.budget_s, self.seed, self.iterations = budget_s, int(seed), iterations
         self.finetune_s = finetune_s
         self.policy = Path(policy) if policy is not None else None
+        if self.policy is not None and not has_policy(self.policy):
+            raise ConfigError(
+                None,
+                "policy",
+                "a directory with policy.pt and policy.json (scripts/train_policy.py)",
+                str(policy),
+            )
         self.config = config or RLConfig()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._module: Any = None  # set by from_checkpoint: plan with it instead of training
@@ -198,7 +215,9 @@ class RLScheduler(Scheduler):
         started = time.perf_counter()
         mode = self.mode
         if mode in ("checkpoint", "zero-shot"):
-            module = self._module if mode == "checkpoint" else load_policy(self.policy or PRETRAINED_DIR)
+            module = (
+                self._module if mode == "checkpoint" else load_planning_policy(self.policy or PRETRAINED_DIR)
+            )
             view = ProblemView(problem)
             candidates = self._rollouts(module, view)
             stored = self._known.get(problem_fingerprint(problem))
@@ -249,8 +268,12 @@ class RLScheduler(Scheduler):
         from tqdm import tqdm
 
         config = self.config
-        if initial is not None:  # the network must have the saved policy's width (a tuned one may differ)
-            config = replace(config, hidden=int(initial.score[0].out_features))
+        if initial is not None:  # the network must have the saved policy's widths (a tuned one may differ)
+            config = replace(
+                config,
+                hidden=int(initial.score[0].out_features),
+                set_hidden=int(initial.encode[0].out_features),
+            )
         algo = config.ppo_config({"problems": [problem]}, self.seed).build_algo()
         # A bar on a terminal only (disable=None): iterations when counted, else PPO iterations so far.
         bar = tqdm(total=self.iterations, desc="rl training", unit="iter", disable=None, leave=False)
@@ -330,6 +353,12 @@ class RLScheduler(Scheduler):
                 policy_best = candidates[name]
         deadline = math.inf if self.iterations is not None else time.perf_counter() + polish_s
         source, best = self._best(view, candidates, deadline)
+        best_throughput = None
+        if not best.feasible:
+            # Before saying "infeasible": the exact search for the fastest plan decides whether any
+            # plan reaches the floor; when one does, it is a candidate (and a start for polishing),
+            # when none does, its throughput is the highest any plan reaches.
+            source, best, best_throughput = self._fastest(view, candidates, source, best)
         extra = dict(info)
         extra.update(
             counts="exact provisioning of the policy's assignment",  # replicas and PS shards never come from the policy
@@ -341,11 +370,6 @@ class RLScheduler(Scheduler):
             polished_cost=_json_cost(candidates.get("polished")),
             reference_cost=view.reference_cost,
         )
-        best_throughput = None
-        if not best.feasible:
-            from heterps_ray.scheduling.exact import max_reachable_throughput
-
-            best_throughput = max_reachable_throughput(view.problem)
         return plan_from_counts(
             view.problem,
             view.model,
@@ -366,8 +390,8 @@ class RLScheduler(Scheduler):
         # the heuristics its reward is measured against.
         for name, assignment in view.reference_assignments.items():
             candidates.setdefault(f"reference:{name}", view.record(assignment))
-        if self.config.polish:
-            starts = [candidates["greedy"]] + view.top(self.config.polish_starts)
+        if self.config.polish:  # the best plans found first, then the policy's greedy plan
+            starts = view.top(self.config.polish_starts) + [candidates["greedy"]]
             polished = polish(view, starts, deadline)
             if polished is not None:
                 candidates["polished"] = polished
@@ -377,6 +401,27 @@ class RLScheduler(Scheduler):
                 source, best = name, result
         assert best is not None
         return source, best
+
+    def _fastest(
+        self, view: ProblemView, candidates: dict[str, EpisodeResult], source: str, best: EpisodeResult
+    ) -> tuple[str, EpisodeResult, float | None]:
+        """(source, best, highest reachable throughput or None) once no candidate meets the floor."""
+        from heterps_ray.scheduling.exact import fastest_plan
+
+        known = max([view.fastest_seen()] + [r.provisioned.max_throughput for r in candidates.values()])
+        theta_max, assignment = fastest_plan(view.problem, view.model, known)
+        if assignment is None:
+            return source, best, theta_max
+        fastest = candidates["fastest"] = view.record(assignment)
+        if not fastest.feasible:  # no plan meets the floor: the search's highest throughput stands
+            return ("fastest", fastest, theta_max) if better(best, fastest) else (source, best, theta_max)
+        if self.config.polish:  # the fastest plan meets the floor; a cheaper one is usually a few moves away
+            deadline = time.perf_counter() + max(self.config.zero_shot_polish_s, 0.1)
+            polished = polish(view, [fastest], deadline)
+            if polished is not None and better(fastest, polished):
+                candidates["polished-fastest"] = polished
+                return "polished-fastest", polished, None
+        return "fastest", fastest, None
 
     def _save_state(self, problem: Problem, plan: Plan, info: dict[str, Any]) -> None:
         assert self.checkpoint_dir is not None
@@ -403,20 +448,39 @@ def greedy_rollout(module: Any, view: ProblemView) -> EpisodeResult:
 
 
 def policy_rollouts(module: Any, view: ProblemView, samples: int, seed: int = 0) -> list[EpisodeResult]:
-    """The greedy episode, then `samples` episodes drawn from the policy; all played in lockstep."""
-    import torch
-
+    """The greedy episode, then `samples` episodes drawn from the policy; all played in lockstep.
+    `module`: a NumpyPolicy, a PolicyNetwork or the trained TypeScoringModule."""
     envs = [SchedulingEnv({"problems": [view.problem]}) for _ in range(samples + 1)]
     observations = [env.reset(options={"problem": view})[0] for env in envs]
     rng = np.random.default_rng(seed)
-    with torch.no_grad():
-        for _ in range(view.num_layers):  # every episode has one step per layer
-            batch = {k: torch.as_tensor(np.stack([o[k] for o in observations])) for k in observations[0]}
-            logits = module.logits(batch)  # a PolicyNetwork or the trained TypeScoringModule
-            probabilities = torch.softmax(logits.double(), dim=-1).numpy()
-            actions = [int(np.argmax(probabilities[0]))]
-            actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[1:]]
-            observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
+    if isinstance(module, NumpyPolicy):
+        return _lockstep(module.logits, view, envs, observations, rng)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: on a busy machine more threads only wait for each other
+
+    def logits(batch: dict[str, np.ndarray]) -> np.ndarray:
+        with torch.no_grad():
+            return module.logits({k: torch.as_tensor(v) for k, v in batch.items()}).double().numpy()
+
+    try:
+        return _lockstep(logits, view, envs, observations, rng)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _lockstep(
+    logits: Any, view: ProblemView, envs: list[SchedulingEnv], observations: list, rng: np.random.Generator
+) -> list[EpisodeResult]:
+    for _ in range(view.num_layers):  # every episode has one step per layer
+        batch = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
+        z = np.asarray(logits(batch), dtype=np.float64)
+        z = np.exp(z - z.max(axis=-1, keepdims=True))
+        probabilities = z / z.sum(axis=-1, keepdims=True)
+        actions = [int(np.argmax(probabilities[0]))]
+        actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[1:]]
+        observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
     results = [env.last_result for env in envs]
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
