@@ -45,10 +45,9 @@ def _export(args: argparse.Namespace) -> int:
     from heterps_ray.serving.export import export_model
 
     manifest = export_model(args.output_dir, args.output)
-    print(
-        f"wrote {args.output}: {', '.join(sorted(manifest['files']))} "
-        f"({manifest['model']['name']}, {manifest['embeddings']['rows']} rows of dim {manifest['embedding_dim']})"
-    )
+    files = ", ".join(["manifest.json", *sorted(manifest["files"])])
+    rows, dim = manifest["embeddings"]["rows"], manifest["embedding_dim"]
+    print(f"wrote {args.output}: {files} ({manifest['model']['name']}, {rows:,} embedding rows of dim {dim})")
     return 0
 
 

@@ -133,7 +133,7 @@ def load_dense(path: str | Path) -> torch.jit.ScriptModule:
 
 def _save_dense(ckpt: Checkpoint, path: Path) -> None:
     spec = ckpt.spec
-    module = DenseNet(ckpt.net).eval()
+    module = DenseNet(ckpt.net).eval().requires_grad_(False)  # inference only: no autograd graph
     rng = np.random.default_rng(0)
 
     def example(n: int) -> tuple[torch.Tensor, torch.Tensor]:
