@@ -69,3 +69,29 @@ def test_mlflow_when_asked(tmp_path, caplog):
         tracker.log_final({"eval/auc": 0.75})
     (run,) = mlflow.search_runs(output_format="list")
     assert run.data.metrics == {"train/loss": 0.5, "eval/auc": 0.75}
+
+
+def test_a_run_summary_becomes_per_step_and_final_scalars(tmp_path):
+    """The tags a finished run gives, from a RunSummary as the driver writes it (run_summary.json)."""
+    import json
+
+    from heterps_ray.runtime.driver import RunSummary
+
+    summary = RunSummary(
+        job="t", mode="sync", model="ctr_dnn", plan={}, ps_shards=2, steps=4, samples=256, seconds=2.0,
+        throughput=128.0, losses=[0.7, 0.6, 0.5, 0.45], auc=0.71, logloss=0.52, eval_rows=100, placement=[],
+        stages=[{"index": 0, "busy": 0.25, "replica_stats": [{"peak_pending": 0}]},
+                {"index": 1, "busy": 0.5, "replica_stats": [{"peak_pending": 2}, {"peak_pending": 3}]}],
+        ps=[{"rows": {"embedding": 10}, "keys_pulled": 300, "keys_pushed": 200},
+            {"rows": {"embedding": 12}, "keys_pulled": 100, "keys_pushed": 100}],
+        extra={"chunks": [[128, 1.0], [128, 0.5]]},
+    )  # fmt: skip
+    with RunTracker(tmp_path) as tracker:
+        tracker.log_summary(json.loads(summary.to_json()))
+    scalars = read_scalars(tmp_path / TENSORBOARD_DIR)
+    assert [(s, round(v, 6)) for s, v in scalars["train/loss"]] == [(1, 0.7), (2, 0.6), (3, 0.5), (4, 0.45)]
+    assert scalars["train/samples_per_s"] == [(2, 128.0), (4, 256.0)]
+    assert scalars["stage1/busy_fraction"] == [(4, 0.5)] and scalars["stage1/queue_depth"] == [(4, 3.0)]
+    assert scalars["ps/rows"] == [(4, 22.0)]
+    assert scalars["ps/pull_rate"] == [(4, 200.0)] and scalars["ps/push_rate"] == [(4, 150.0)]
+    assert scalars["eval/auc"] == [(4, pytest.approx(0.71))]

@@ -3,7 +3,8 @@
 Tags are namespaced and stable, so two runs compare in TensorBoard or MLflow side by side:
 ``train/loss``, ``train/samples_per_s``, ``stage{i}/busy_fraction``, ``stage{i}/queue_depth``,
 ``ps/rows``, ``ps/pull_rate``, ``ps/push_rate``, and at the end ``eval/auc``, ``eval/logloss``.
-Example::
+Live, the driver logs per chunk as it trains; after the fact, :meth:`RunTracker.log_summary` turns a
+finished run's ``run_summary.json`` into the same tags. Example::
 
     with RunTracker(job.output_dir) as tracker:
         tracker.log_scalars(step, {"train/loss": 0.47, "train/samples_per_s": 24_800})
@@ -64,6 +65,38 @@ class RunTracker:
         """End-of-run metrics (AUC, logloss, ...), at the last step logged."""
         self.log_scalars(self._last_step, metrics)
         self._writer.flush()
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """A finished run's ``run_summary.json`` (:class:`~heterps_ray.runtime.driver.RunSummary` as JSON):
+        the loss of every step, samples/s of every chunk, and at the last step each stage's busy fraction
+        and peak queue, the PS rows and pull/push rates (keys/s), eval AUC and logloss."""
+        losses = summary.get("losses") or []
+        for step, loss in enumerate(losses, start=1):
+            self.log_scalars(step, {"train/loss": loss})
+        steps, samples = int(summary.get("steps") or 0), int(summary.get("samples") or 0)
+        batch = samples / steps if steps else 0.0
+        done = 0
+        for chunk_samples, seconds in (summary.get("extra") or {}).get("chunks") or []:
+            done += chunk_samples
+            if batch and seconds > 0:
+                self.log_scalars(round(done / batch), {"train/samples_per_s": chunk_samples / seconds})
+        final: dict[str, float] = {}
+        for stage in summary.get("stages") or []:
+            i = stage["index"]
+            final[f"stage{i}/busy_fraction"] = stage.get("busy", float("nan"))
+            peaks = [r.get("peak_pending", 0) for r in stage.get("replica_stats") or []]
+            final[f"stage{i}/queue_depth"] = max(peaks) if peaks else float("nan")
+        shards = summary.get("ps") or []
+        seconds = float(summary.get("seconds") or 0.0)
+        if shards:
+            final["ps/rows"] = sum(sum((s.get("rows") or {}).values()) for s in shards)
+            if seconds > 0:
+                final["ps/pull_rate"] = sum(s.get("keys_pulled", 0) for s in shards) / seconds
+                final["ps/push_rate"] = sum(s.get("keys_pushed", 0) for s in shards) / seconds
+        self.log_scalars(max(steps, self._last_step), final)
+        auc, logloss = summary.get("auc"), summary.get("logloss")
+        self.log_final({"eval/auc": float("nan") if auc is None else auc,
+                        "eval/logloss": float("nan") if logloss is None else logloss})  # fmt: skip
 
     def close(self) -> None:
         self._writer.close()
