@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.data.layout import is_dataset
 from heterps_ray.data.synth import synthesize
 from heterps_ray.runtime.driver import train
 from heterps_ray.scheduling.plan import Plan, load_plan
@@ -82,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / f"data-{args.rows}"
-    if not (data / "meta.json").exists():
+    if not is_dataset(data):
         synthesize(data, args.rows, seed=2, rows_per_part=max(args.rows // 4, 1))
     cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
     ray.init(  # an embedded local Ray declaring the cluster's resource types, as the tests' one

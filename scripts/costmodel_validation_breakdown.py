@@ -169,7 +169,9 @@ def main() -> None:
     from heterps_ray.scheduling import Plan
 
     validation = _validation_module()
-    if not (args.data / "meta.json").exists():
+    from heterps_ray.data.layout import is_dataset
+
+    if not is_dataset(args.data):
         from heterps_ray.data.synth import synthesize
 
         synthesize(args.data, 200_000, seed=0)

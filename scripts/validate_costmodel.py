@@ -98,7 +98,9 @@ def main() -> None:
     from heterps_ray.runtime.driver import train
 
     data = args.output_dir / "data"
-    if not (data / "meta.json").exists():
+    from heterps_ray.data.layout import is_dataset
+
+    if not is_dataset(data):
         from heterps_ray.data.synth import synthesize
 
         train_rows = args.rows - int(args.rows * DEFAULT_EVAL_FRACTION)
