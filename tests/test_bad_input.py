@@ -372,7 +372,7 @@ def test_malformed_rows_are_counted_and_reported_when_lenient(criteo_sample, tmp
     assert main(["data", "convert", str(tsv), "-o", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert "skipped 2 malformed rows" in printed and f"{tsv}:5" in printed and f"{tsv}:10" in printed
-    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "out" / "_meta.json").read_text())
     assert meta["bad_rows"]["count"] == 2 and meta["rows"]["train"] + meta["rows"]["eval"] == 198
     assert [e.split(": ")[0] for e in meta["bad_rows"]["examples"]] == [f"{tsv}:5", f"{tsv}:10"]
 
