@@ -5,11 +5,12 @@ stage boundary, a stage on a neighbouring GPU kind). Best-improvement hill climb
 priced by exact provisioning, closes that gap cheaply. The moves come in two rings:
 
 * stage moves (O(stages x types)): re-type one maximal stage, or shift a boundary between two stages
-  by one layer either way (the layer joins its neighbour's stage);
+  by 1, 2, 4 or 8 layers either way (those layers join the neighbouring stage);
+* block moves (O(stages x types)): the first or last 1, 2, 4 or 8 layers of a stage on another type;
 * layer moves (O(layers x types)): re-type one layer.
 
-Each climb step tries the stage moves first and only looks at layer moves when no stage move improves
-the plan, so on a 120-layer, 8-type problem (about 900 layer moves, ~1 ms each) the time goes where
+Each climb step tries the rings in that order and only looks at the next when the one before has no
+better plan, so on a 120-layer, 8-type problem (about 900 layer moves, ~1 ms each) the time goes where
 improvements are likely. It is optional (RLConfig.polish) and the plan records what it added.
 """
 
@@ -19,10 +20,12 @@ import time
 
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, better
 
+_SHIFTS = (1, 2, 4, 8)  # layers a stage boundary moves by in one stage move
+
 
 def stage_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Assignments one stage move away: a maximal stage on another type that runs all of it, or
-    the first or last layer of a stage moved into the neighbouring stage."""
+    the first or last 1, 2, 4 or 8 layers of a stage moved into the neighbouring stage."""
     runnable = view.model.runnable
     moves: set[tuple[int, ...]] = set()
     stages = view.model.split_stages(list(assignment))
@@ -30,11 +33,34 @@ def stage_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tup
         for t in range(view.num_types):
             if t != current and runnable[start:end, t].all():
                 moves.add(assignment[:start] + (t,) * (end - start) + assignment[end:])
-    for (_, end, left), (_, _, right) in zip(stages, stages[1:], strict=False):
-        if runnable[end - 1, right]:  # the left stage's last layer joins the right stage
-            moves.add(assignment[: end - 1] + (right,) + assignment[end:])
-        if runnable[end, left]:  # the right stage's first layer joins the left stage
-            moves.add(assignment[:end] + (left,) + assignment[end + 1 :])
+    for (start, end, left), (_, stop, right) in zip(stages, stages[1:], strict=False):
+        for shift in _SHIFTS:
+            # the left stage's last `shift` layers join the right stage
+            if shift < end - start and runnable[end - shift : end, right].all():
+                moves.add(assignment[: end - shift] + (right,) * shift + assignment[end:])
+            # the right stage's first `shift` layers join the left stage
+            if shift < stop - end and runnable[end : end + shift, left].all():
+                moves.add(assignment[:end] + (left,) * shift + assignment[end + shift :])
+    moves.discard(assignment)
+    return sorted(moves)
+
+
+def block_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Assignments one block move away: the first or last 1, 2, 4 or 8 layers of a stage on another
+    type (a new stage split off, or joined to a neighbour of that type)."""
+    runnable = view.model.runnable
+    moves: set[tuple[int, ...]] = set()
+    for start, end, current in view.model.split_stages(list(assignment)):
+        for shift in _SHIFTS:
+            if shift >= end - start:
+                break
+            for t in range(view.num_types):
+                if t == current:
+                    continue
+                if runnable[start : start + shift, t].all():
+                    moves.add(assignment[:start] + (t,) * shift + assignment[start + shift :])
+                if runnable[end - shift : end, t].all():
+                    moves.add(assignment[: end - shift] + (t,) * shift + assignment[end:])
     moves.discard(assignment)
     return sorted(moves)
 
@@ -51,8 +77,9 @@ def layer_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tup
 
 
 def neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every assignment one move away (stage moves and layer moves)."""
-    return sorted(set(stage_neighbours(view, assignment)) | set(layer_neighbours(view, assignment)))
+    """Every assignment one move away (stage, block and layer moves)."""
+    moves = set(stage_neighbours(view, assignment)) | set(block_neighbours(view, assignment))
+    return sorted(moves | set(layer_neighbours(view, assignment)))
 
 
 def _best_of(
@@ -69,13 +96,16 @@ def _best_of(
 
 
 def hill_climb(view: ProblemView, start: EpisodeResult, deadline: float) -> EpisodeResult:
-    """Move to the best neighbour while it is better (stage moves first, then layer moves), until a
-    local optimum or `deadline` (perf_counter)."""
+    """Move to the best neighbour while it is better (stage moves first, then block moves, then layer
+    moves: the next ring only when the one before has no better plan), until a local optimum or
+    `deadline` (perf_counter)."""
     best = start
     while time.perf_counter() < deadline:
-        step = _best_of(view, best, stage_neighbours(view, best.assignment), deadline)
-        if step is best:
-            step = _best_of(view, best, layer_neighbours(view, best.assignment), deadline)
+        step = best
+        for ring in (stage_neighbours, block_neighbours, layer_neighbours):
+            step = _best_of(view, best, ring(view, best.assignment), deadline)
+            if step is not best:
+                break
         if step is best:
             break
         best = step
