@@ -178,6 +178,9 @@ class RuntimeConfig(BaseModel):
         description="run a DataWorker's chain of single-replica stages as a Ray Compiled Graph "
         "(shared-memory channels); false: one plain actor call per stage and direction",
     )
+    mlflow: bool = Field(
+        False, description="also log the run's metrics to MLflow (needs `pip install mlflow`)"
+    )
     ps_hosting: Literal["auto", "actors"] = Field(
         "auto",
         description="auto: a plan with one DataWorker and no replicated stage hosts its PS shards in "

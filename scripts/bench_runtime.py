@@ -94,9 +94,10 @@ def main() -> None:
 
 
 def _make_data(path: Path, rows: int) -> None:
+    from heterps_ray.data.layout import is_dataset
     from heterps_ray.data.synth import SynthSpec, synthesize
 
-    if (path / "meta.json").exists():
+    if is_dataset(path):
         return
     spec = SynthSpec(vocab_min=ROWS_PER_TABLE, vocab_max=ROWS_PER_TABLE)
     synthesize(path, rows, seed=0, rows_per_part=25_000, spec=spec)

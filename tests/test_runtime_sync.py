@@ -194,3 +194,17 @@ def test_cli_refuses_a_second_run_and_a_bad_plan(three_stage_run, tmp_path, caps
     bad_plan.write_text(json.dumps({**json.loads(plan.read_text()), "assignment": ["cpu_small"]}))
     assert main(["train", str(job_file), "--plan", str(bad_plan), "--overwrite"]) == 2
     assert "field 'assignment': expected 4 entries" in capsys.readouterr().err
+
+
+def test_the_run_is_tracked_in_tensorboard(three_stage_run):
+    from heterps_ray.metrics.tracking import read_scalars
+
+    summary, output, _ = three_stage_run
+    scalars = read_scalars(output / "tensorboard")
+    steps = [step for step, _ in scalars["train/loss"]]
+    assert steps == sorted(steps) and steps[-1] == STEPS  # one point per chunk, up to the last batch
+    assert all(v > 0 for _, v in scalars["train/samples_per_s"])
+    assert {"stage0/busy_fraction", "stage1/queue_depth", "ps/rows", "ps/pull_rate"} <= set(scalars)
+    assert scalars["ps/rows"][-1][1] == sum(sum(p["rows"].values()) for p in summary["ps"])
+    ((_, auc),) = scalars["eval/auc"]
+    assert auc == pytest.approx(summary["auc"], abs=1e-6)

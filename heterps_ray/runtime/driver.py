@@ -27,6 +27,7 @@ from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, DataError
+from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.ps.atomic import read_npz, write_bytes_atomic, write_npz_atomic
 from heterps_ray.ps.shard import PSShard, TableSpec, reshard_states
@@ -164,6 +165,7 @@ def train(
     else:
         owns_ray = connect(job.cluster, address)
     run = _Run(job, model, stages, num_shards, train_files)
+    tracker: RunTracker | None = None  # TensorBoard events in output_dir/tensorboard (and MLflow)
     try:
         placement = run.start()
         if start:
@@ -174,8 +176,12 @@ def train(
             if save
             else None
         )
-        history = run.train(target, progress, start, saver, on_chunk, elastic)
+        if save:
+            tracker = RunTracker(output_dir, mlflow=job.runtime.mlflow, run_name=job.name)
+        history = run.train(target, progress, start, saver, on_chunk, elastic, tracker)
         metrics = run.evaluate(eval_files)
+        if tracker is not None:
+            tracker.log_final({f"eval/{k}": float(metrics[k]) for k in ("auc", "logloss") if k in metrics})
         summary = RunSummary(
             job=job.name,
             mode=job.mode,
@@ -218,6 +224,8 @@ def train(
             summary.save(output_dir / SUMMARY_FILE)
         return summary
     finally:
+        if tracker is not None:
+            tracker.close()
         run.shutdown()
         if owns_ray:
             ray.shutdown()
@@ -249,6 +257,9 @@ class _Run:
         )
         # one DataWorker and no replicated stage: the PS shards live in its process (no PS calls)
         self.hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in stages)
+        # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
+        # takes part in one graph at a time, so several DataWorkers keep plain calls
+        self.chained = job.runtime.compiled_graph and len(stages) > 1 and all(s.replicas == 1 for s in stages)
         self.shards: list[Any] = []
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
@@ -299,7 +310,7 @@ class _Run:
             epochs=self.job.runtime.epochs,
             max_in_flight=self.job.runtime.max_in_flight,
             batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
-            compiled_chain=self.job.runtime.compiled_graph,
+            compiled_chain=self.chained,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
         shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
@@ -406,6 +417,7 @@ class _Run:
         saver: _CheckpointSaver | None = None,
         on_chunk: Callable[[LiveActors], None] | None = None,
         elastic: bool = False,
+        tracker: RunTracker | None = None,
     ) -> dict[str, Any]:
         """Drive the DataWorkers chunk by chunk until `target` batches (or the data) are done, from
         `start` (a resumed checkpoint's steps, samples and losses), checkpointing through `saver`;
@@ -431,6 +443,7 @@ class _Run:
         plan_types = {s.type for s in self.stages} | {self.job.cluster.ps_resource}
         active = list(range(self.num_workers))
         busy_prev = self._stage_stats()
+        ps_prev = self.ps_stats() if tracker is not None else []
         seconds = 0.0
         chunks: list[tuple[int, float]] = []  # (samples, seconds) per chunk, for warm-up-free rates
         try:
@@ -495,6 +508,11 @@ class _Run:
                     + " | queue "
                     + "/".join(str(q) for q in _peak_queues(stats, self.stages))
                 )
+                if tracker is not None:
+                    ps_now = self.ps_stats()
+                    tracker.log_scalars(done, _chunk_scalars(results, chunk_samples, interval, busy,
+                                                             _peak_queues(stats, self.stages), ps_prev, ps_now))  # fmt: skip
+                    ps_prev = ps_now
         finally:
             bar.close()
         final = self._stage_stats()
@@ -581,6 +599,15 @@ class _Run:
         at_fault = self._progress_now(dead)
         for d in dead:
             ray.kill(d["handle"], no_restart=True)
+        replaced = list(dead)
+        if self.chained and any(d["kind"] == "data_worker" for d in dead):
+            # The dead DataWorker drove a compiled chain that no one can tear down now: its
+            # StageWorkers are stuck in the old graph's loop, so they are replaced as well (their
+            # state is restored from the recovery point like everyone else's).
+            for kind, stage_index, replica, handle in self._all_actors():
+                if kind == "stage_worker" and not any(d["handle"] is handle for d in dead):
+                    ray.kill(handle, no_restart=True)
+                    replaced.append({"kind": kind, "stage": stage_index, "replica": replica})
         self._generation += 1
         wait = _ReplacementWait(self, plan_types, types_before)
         new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
@@ -589,7 +616,7 @@ class _Run:
         wait.placed([self.shards[i] for i in new_shards])
         if self.job.mode == "async" and new_shards:
             self._register_dense_tables(new_shards)
-        for d in dead:
+        for d in replaced:
             if d["kind"] == "stage_worker":
                 stage = self.stages[d["stage"]]
                 self.stage_workers[stage.index - 1][d["replica"]] = self._new_stage_worker(
@@ -962,6 +989,31 @@ def _busy_fractions(
     return out
 
 
+def _chunk_scalars(
+    results: list[dict[str, Any]],
+    samples: int,
+    interval: float,
+    busy: list[float],
+    queues: list[int],
+    ps_before: list[dict[str, Any]],
+    ps_after: list[dict[str, Any]],
+) -> dict[str, float]:
+    """One chunk's tracked scalars (tags as in metrics.tracking)."""
+    losses = [x for r in results for x in r["losses"]]
+    out = {
+        "train/loss": float(np.mean(losses)) if losses else float("nan"),
+        "train/samples_per_s": samples / max(interval, 1e-9),
+        "ps/rows": float(sum(sum(p["rows"].values()) for p in ps_after)),
+    }
+    for key, tag in (("keys_pulled", "ps/pull_rate"), ("keys_pushed", "ps/push_rate")):
+        moved = sum(a[key] for a in ps_after) - sum(b[key] for b in ps_before)
+        out[tag] = moved / max(interval, 1e-9)
+    for i, (b, q) in enumerate(zip(busy, queues, strict=True)):
+        out[f"stage{i}/busy_fraction"] = b
+        out[f"stage{i}/queue_depth"] = float(q)
+    return out
+
+
 def _peak_queues(stats: list[list[dict[str, Any]]], stages: list[StageSpec]) -> list[int]:
     return [max(s["peak_pending"] for s in stage) for stage in stats]
 
@@ -970,7 +1022,12 @@ def _claim_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse a directory holding a previous run, unless `overwrite` (then its run files go)."""
     previous = [
         p
-        for p in (output_dir / SUMMARY_FILE, output_dir / MODEL_DIR, output_dir / CHECKPOINTS_DIR)
+        for p in (
+            output_dir / SUMMARY_FILE,
+            output_dir / MODEL_DIR,
+            output_dir / CHECKPOINTS_DIR,
+            output_dir / TENSORBOARD_DIR,
+        )
         if p.exists()
     ]
     if previous and not overwrite:

@@ -195,9 +195,9 @@ class StageCompute:
                 torch.autograd.backward(roots, seeds)
         if stash.weights is not None:  # the stashed snapshot's gradient is the parameters' gradient
             for k, p in self.module.named_parameters():
-                g = stash.weights[k].grad
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+                weight_grad = stash.weights[k].grad
+                if weight_grad is not None:
+                    p.grad = weight_grad if p.grad is None else p.grad + weight_grad
 
     def step(self, step: bool) -> bool:
         """After a backward: the optimizer steps when `step` (local weights), or the gradient goes to

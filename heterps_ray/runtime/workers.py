@@ -58,7 +58,7 @@ class DataSettings:
     epochs: int
     max_in_flight: int
     batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
-    compiled_chain: bool = True  # single-replica stage chains as a Ray Compiled Graph (chain.py)
+    compiled_chain: bool = False  # drive stages 1..S-1 (one replica each) as a compiled graph (chain.py)
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,7 @@ class DataWorker:
         }
 
     def _wants_chain(self) -> bool:
-        return self.data.compiled_chain and bool(self.downstream) and all(len(r) == 1 for r in self.downstream)
+        return self.data.compiled_chain and bool(self.downstream)
 
     def close(self) -> None:
         """Tear the compiled chain down (before the actors go, and before a rewire)."""
