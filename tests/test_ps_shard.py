@@ -99,7 +99,7 @@ def test_dense_table_steps_like_torch(optimizer):
     assert shard.register_dense("stage1", params, optimizer, 0.01) == 0
     for step in range(1, 6):
         grads = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
-        assert shard.push_dense("stage1", grads) == step
+        assert shard.push_dense("stage1", grads) == (step, None)
         for k, p in torch_params.items():
             p.grad = torch.from_numpy(grads[k])
         torch_opt.step()

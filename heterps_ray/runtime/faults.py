@@ -40,7 +40,9 @@ class FaultRecord:
     lower_bound: bool  # a DataWorker died mid-chunk: the two counts above are at least these
 
 
-_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+# A compiled chain (chain.py) sees a dead actor as a closed or silent channel; the probes of the
+# recovery then tell which actor died (none: the error is re-raised).
+_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.RayChannelError)
 
 
 def is_actor_death(exc: BaseException) -> bool:

@@ -1,0 +1,38 @@
+"""Execute the notebooks top to bottom with full settings and save them with their outputs, so a reader
+sees the plans and plots without running them (the test suite runs them with small settings).
+
+    .venv/bin/python scripts/run_notebooks.py [notebooks/01_quickstart.ipynb ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, default=sorted((REPO / "notebooks").glob("*.ipynb")))
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a cell may take")
+    args = parser.parse_args()
+    os.environ.pop("HETERPS_NB_SMALL", None)  # full settings
+    os.environ.pop("RAY_ADDRESS", None)  # each notebook starts its own embedded Ray
+    for path in args.notebooks:
+        t0 = time.perf_counter()
+        notebook = nbformat.read(path, as_version=4)
+        NotebookClient(
+            notebook, kernel_name="python3", timeout=args.timeout, resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
+        nbformat.write(notebook, path)
+        print(f"{path}: executed in {time.perf_counter() - t0:.0f} s, outputs saved")
+
+
+if __name__ == "__main__":
+    main()
