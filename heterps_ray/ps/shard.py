@@ -104,6 +104,21 @@ class _DenseTable:
             self.exp_avg_sq[k] = np.array(state[f"{prefix}/exp_avg_sq/{k}"], dtype=np.float32)
 
 
+class _ShardMetrics:
+    """Ray metrics of one shard (exported by Ray's metrics agent next to the workers' ones)."""
+
+    def __init__(self, index: int):
+        from ray.util import metrics
+
+        tags = {"role": "ps", "shard": str(index)}
+        keys = tuple(tags)
+        self.rows = metrics.Gauge("heterps_ps_rows", "sparse rows held", tag_keys=keys)
+        self.pulled = metrics.Counter("heterps_ps_keys_pulled", "keys pulled", tag_keys=keys)
+        self.pushed = metrics.Counter("heterps_ps_keys_pushed", "keys pushed", tag_keys=keys)
+        for m in (self.rows, self.pulled, self.pushed):
+            m.set_default_tags(tags)
+
+
 class PSShard:
     """One shard: a SparseTable per sparse table name (its hash partition) and whole dense tables.
 
@@ -128,6 +143,8 @@ class PSShard:
         self._applied: dict[int, np.ndarray] = {}
         self._busy_s = 0.0
         self._started = time.perf_counter()
+        # in a Ray worker (an actor, or hosted in a DataWorker); a plain object elsewhere
+        self._metrics = _ShardMetrics(index) if ray.is_initialized() else None
 
     def describe(self) -> dict[str, Any]:
         """Where this shard runs: its index, pid and the Ray resources it was given."""
@@ -142,6 +159,9 @@ class PSShard:
         self._counts["pulls"] += 1
         self._counts["keys_pulled"] += len(keys)
         self._busy_s += time.perf_counter() - t0
+        if self._metrics is not None and len(keys):
+            self._metrics.pulled.inc(len(keys))
+            self._metrics.rows.set(len(self._tables[table]))
         return rows
 
     def push(
@@ -167,6 +187,8 @@ class PSShard:
         self._counts["pushes"] += 1
         self._counts["keys_pushed"] += len(keys)
         self._busy_s += time.perf_counter() - t0
+        if self._metrics is not None and len(keys):
+            self._metrics.pushed.inc(len(keys))
         return len(keys)
 
     def _count_applied(self, worker: int, batch: int) -> None:
