@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
+    from heterps_ray.errors import HeterPSError
     from heterps_ray.scheduling import get_scheduler
     from heterps_ray.scheduling.generator import generate_problem
     from heterps_ray.scheduling.rl import RLScheduler
@@ -118,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                 "exact_s": cache[key]["seconds"],
             }
             for name in baselines:
-                plan = get_scheduler(name, seed=0).schedule(problem)
+                try:
+                    plan = get_scheduler(name, seed=0).schedule(problem)
+                except HeterPSError as exc:  # e.g. single: no type runs every layer (GPU-only layers)
+                    row[name], row[f"{name}_s"], row[f"{name}_error"] = None, 0.0, str(exc)
+                    continue
                 row[name], row[f"{name}_s"] = _cost(plan), plan.seconds
             for mode in modes:
                 scheduler = _scheduler(RLScheduler, mode, args)

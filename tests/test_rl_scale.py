@@ -193,3 +193,19 @@ def test_zero_shot_planning_imports_neither_torch_nor_rllib(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_policy_pt_replaced_alone_is_what_planning_uses(tmp_path):
+    import shutil
+
+    from heterps_ray.scheduling.rl.policy import NumpyPolicy, load_planning_policy
+
+    save_policy(_network(5), tmp_path / "a", {"hidden": 16, "set_hidden": 8})
+    save_policy(_network(6), tmp_path / "b", {"hidden": 16, "set_hidden": 8})
+    shutil.copyfile(
+        tmp_path / "b" / "policy.pt", tmp_path / "a" / "policy.pt"
+    )  # as a ship that copies .pt only
+    planning = load_planning_policy(tmp_path / "a")
+    assert not isinstance(planning, NumpyPolicy)
+    obs = _observations(generate_problem(25, num_layers=(6, 6), num_types=(3, 3)), 0)[0]
+    np.testing.assert_allclose(_logits(planning, obs), _logits(load_policy(tmp_path / "b"), obs))

@@ -22,6 +22,13 @@ from heterps_ray.errors import ConfigError, DataError
 
 PRETRAINED_DIR = Path(__file__).parent / "pretrained"
 _WEIGHTS, _META, _ARRAYS = "policy.pt", "policy.json", "policy.npz"
+_PT_HASH = "__policy_pt_sha256__"  # in policy.npz: the SHA-256 of the policy.pt it mirrors
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def has_policy(directory: str | Path = PRETRAINED_DIR) -> bool:
@@ -37,7 +44,10 @@ def save_policy(module: Any, directory: str | Path, metadata: dict[str, Any]) ->
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     torch.save(state, directory / _WEIGHTS)
-    np.savez(directory / _ARRAYS, **{k: v.numpy() for k, v in state.items()})
+    # the numpy twin names the policy.pt it was made from: a policy.pt replaced alone (e.g. copied
+    # by experiments.tune.ship_policy) is then noticed, and planning falls back to it
+    arrays = {k: v.numpy() for k, v in state.items()} | {_PT_HASH: np.array(_sha256(directory / _WEIGHTS))}
+    np.savez(directory / _ARRAYS, **arrays)
     (directory / _META).write_text(json.dumps(metadata, indent=1, default=float) + "\n")
     return directory
 
@@ -99,11 +109,14 @@ def load_planning_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
     _checked_metadata(directory)
     try:
         with np.load(directory / _ARRAYS, allow_pickle=False) as arrays:
-            return NumpyPolicy({k: arrays[k].astype(np.float64) for k in arrays.files})
+            state = {k: arrays[k] for k in arrays.files}
     except Exception as exc:  # noqa: BLE001 - any failure to read the user's file is a DataError naming it
         raise DataError(
             f"{directory / _ARRAYS}: not a policy's weights (arrays by layer name): {exc}"
         ) from None
+    if _PT_HASH not in state or str(state.pop(_PT_HASH)) != _sha256(directory / _WEIGHTS):
+        return load_policy(directory)  # policy.pt was replaced after its twin was written: plan with it
+    return NumpyPolicy({k: v.astype(np.float64) for k, v in state.items()})
 
 
 _MASKED_LOGIT = -1.0e9  # as network.MASKED_LOGIT (that module imports torch)
