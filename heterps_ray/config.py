@@ -174,9 +174,10 @@ class RuntimeConfig(BaseModel):
     )
     ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
     compiled_graph: bool = Field(
-        True,
+        False,
         description="run a DataWorker's chain of single-replica stages as a Ray Compiled Graph "
-        "(shared-memory channels); false: one plain actor call per stage and direction",
+        "(shared-memory channels, but every actor of the graph spins a core while it waits: worth it "
+        "where each actor has cores of its own); false: one plain actor call per stage and direction",
     )
     mlflow: bool = Field(
         False, description="also log the run's metrics to MLflow (needs `pip install mlflow`)"

@@ -10,6 +10,11 @@ Where the dense weights live (:func:`dense_home`):
   pushes its gradients there and a replica pulls fresh weights when it is more than
   ``runtime.max_staleness`` versions behind (Paddle's a_sync with bounded staleness).
 
+Stepping in the background (local weights): the optimizer step runs on a thread of its own, so the
+worker returns its gradient upstream (or pushes its sparse rows) while the step runs; whatever reads
+or uses the weights next (a forward, a backward, the state) waits for it first (:meth:`settle`).
+torch releases the GIL in its kernels, so the two overlap on a machine with a core to spare.
+
 Weight stashing (async, local weights): a stage may run forwards of later micro-batches before the
 backward of an earlier one steps the optimizer. Each forward then runs on a snapshot of the weights
 (PipeDream's weight stashing), so its backward is the gradient of the computation it really did, and
@@ -18,6 +23,7 @@ the optimizer's in-place step cannot invalidate a saved autograd graph.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -157,6 +163,8 @@ class StageCompute:
         self.names = canonical_names(self.module, model)
         self.home = dense_home(mode, stage.replicas)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-step")
+        self._step: Future[None] | None = None  # the optimizer step still running
         self.dense: DenseReplica | None = None
         has_params = any(True for _ in self.module.parameters())
         # async with local weights: forwards may run ahead of the step, so each keeps its weights
@@ -169,11 +177,18 @@ class StageCompute:
             )
             self.dense.pull()
 
+    def settle(self) -> None:
+        """Wait for the optimizer step running in the background, and for fresh PS weights."""
+        if self._step is not None:
+            step, self._step = self._step, None
+            step.result()  # raises what the step raised
+        if self.dense is not None:
+            self.dense.settle()
+
     def forward(self, inputs: tuple[torch.Tensor, ...], backward_next: bool = False) -> Stash:
         """Forward with autograd; the stash holds what the backward needs. `backward_next`: the
         backward follows at once (no other forward can come between, so no weight snapshot)."""
-        if self.dense is not None:
-            self.dense.settle()
+        self.settle()
         if not self.stash_weights or backward_next:
             return Stash(inputs, self.module(inputs), None)
         weights = {k: p.detach().clone().requires_grad_(True) for k, p in self.module.named_parameters()}
@@ -182,6 +197,7 @@ class StageCompute:
     def backward(self, stash: Stash, grads: Wire | None = None, loss: torch.Tensor | None = None) -> None:
         """Backward of one forward, from `loss` or from the gradients of its outputs (None entries:
         outputs nothing downstream depends on)."""
+        self.settle()
         if loss is not None:
             loss.backward()
         else:
@@ -201,18 +217,25 @@ class StageCompute:
 
     def step(self, step: bool) -> bool:
         """After a backward: the optimizer steps when `step` (local weights), or the gradient goes to
-        the PS (every backward, weights on a PS). True when an update was made."""
+        the PS (every backward, weights on a PS). True when an update was made. A local step runs
+        in the background (see the module docstring)."""
         if self.optimizer is not None and step:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.settle()
+            self._step = self._stepper.submit(self._apply_step, self.optimizer)
             return True
         if self.dense is not None:
             self.dense.update()
             return True
         return False
 
+    @staticmethod
+    def _apply_step(optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def refresh(self) -> int:
         """Weights on a PS: wait for the last push and load the newest weights (before evaluation)."""
+        self.settle()
         if self.dense is not None:
             self.dense.flush()
             self.dense.pull()
@@ -221,6 +244,9 @@ class StageCompute:
 
     def rewire(self, dense_ps: Any) -> None:
         """After a fault: forget gradients of half-done micro-batches; use the (new) PS shard."""
+        if self._step is not None:  # a step of the abandoned work: let it end, then drop its effect
+            self._step.exception()
+            self._step = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
@@ -229,10 +255,12 @@ class StageCompute:
 
     def dense_state(self) -> dict[str, np.ndarray]:
         """The stage's dense weights under their whole-model names."""
+        self.settle()
         return {self.names[k]: v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
 
     def train_state(self) -> dict[str, np.ndarray]:
         """Dense weights and optimizer state (e.g. Adam moments and step) as flat named numpy arrays."""
+        self.settle()
         out = {f"param/{self.names[k]}": v.detach().cpu().numpy() for k, v in self.module.named_parameters()}
         if self.optimizer is not None:
             state = self.optimizer.state_dict()["state"]
@@ -243,6 +271,7 @@ class StageCompute:
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> None:
         """Restore what :meth:`train_state` returned (dense state goes by layer name)."""
+        self.settle()
         with torch.no_grad():
             for local, p in self.module.named_parameters():
                 p.copy_(torch.from_numpy(np.asarray(state[f"param/{self.names[local]}"])).to(p.device))

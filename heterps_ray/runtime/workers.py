@@ -196,6 +196,7 @@ class StageWorker:
 
     def predict(self, x: Wire) -> Wire:
         """Forward only (evaluation); nothing is kept."""
+        self.compute.settle()
         with self._busy, torch.no_grad():
             return to_wire(self.compute.module(from_wire(x, self.device)))
 
@@ -613,6 +614,7 @@ class DataWorker:
 
         dataset = Dataset(self.data.path)
         paths = None if files is None else [Path(f) for f in files]
+        self.compute.settle()
         pending: deque[tuple[Any, np.ndarray]] = deque()
         logits: list[np.ndarray] = []
         labels: list[np.ndarray] = []
