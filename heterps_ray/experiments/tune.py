@@ -629,7 +629,8 @@ def tune_policy(
 
 
 def ship_policy(search: PolicySearch, directory: str | Path, command: str) -> Path:
-    """Copy the winning trial's final weights to `directory` (policy.pt + policy.json); policy.json keeps
+    """Copy the winning trial's final weights to `directory` (policy.pt, its numpy mirror policy.npz when
+    the trial wrote one, and policy.json); policy.json keeps
     the trial's own record (config, seed, curve, validation history) and adds the Tune command and table."""
     import shutil
 
@@ -638,7 +639,9 @@ def ship_policy(search: PolicySearch, directory: str | Path, command: str) -> Pa
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     meta = policy_metadata(search.best_checkpoint)
-    shutil.copyfile(search.best_checkpoint / "policy.pt", directory / "policy.pt")
+    for name in ("policy.pt", "policy.npz"):  # zero-shot planning reads the .npz (it checks its .pt hash)
+        if (search.best_checkpoint / name).exists():
+            shutil.copyfile(search.best_checkpoint / name, directory / name)
     meta["command"] = command
     meta["tune"] = {
         "picked": search.best_config,
