@@ -43,14 +43,17 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=DEFAULT_SYSTEMS, help="systems, in round order")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all systems (alternating)")
     parser.add_argument("--logs", action="store_true", help="show the actors' and Ray Train workers' logs")
+    parser.add_argument("--cluster", type=Path, default=REPO / "configs" / "clusters" / "local.yaml")
     args = parser.parse_args()
+    args.data, args.output = args.data.resolve(), args.output.resolve()  # Ray Train wants absolute paths
 
     _make_data(args.data, args.rows)
     import ray
 
+    from heterps_ray.cluster import SYSTEM_CONFIG
     from heterps_ray.config import load_cluster
 
-    cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
+    cluster = load_cluster(args.cluster)
     ray.init(
         num_cpus=2,
         resources=cluster.local_resources(),
@@ -58,6 +61,7 @@ def main() -> None:
         include_dashboard=False,
         log_to_driver=args.logs,
         configure_logging=False,
+        _system_config=SYSTEM_CONFIG,  # as heterps' own embedded Ray
     )
     results: dict[str, Any] = {
         "rows": args.rows,
@@ -110,6 +114,7 @@ def _job(args: argparse.Namespace, mode: str, **runtime: Any) -> Any:
         REPO / "configs" / "jobs" / "quickstart.yaml",
         {
             "data.path": str(args.data),
+            "cluster": str(args.cluster.resolve()),
             "data.synth_rows": None,
             "batch_size": args.batch_size,
             "mode": mode,
@@ -162,14 +167,9 @@ def _run_pipeline(
         overwrite=True,
         on_chunk=cpu,
     )
-    chunks = summary.extra["chunks"]
-    # drop whole chunks until the warm-up batches are behind us
-    skipped = 0
-    while chunks and skipped < args.warmup * args.batch_size:
-        skipped += chunks[0][0]
-        chunks = chunks[1:]
-    samples = sum(c[0] for c in chunks)
-    seconds = sum(c[1] for c in chunks)
+    # wall time between the first chunk boundary after the warm-up and the last one: everything the
+    # driver does between chunks (stats, progress, tracking) counts, as it does for a user
+    samples, seconds = cpu.rate_after(args.warmup, args.batch_size)
     stages = " | ".join(
         f"{s['layers'][0]}..{s['layers'][-1]}@{s['type']}x{s['replicas']}" for s in summary.stages
     )
@@ -200,11 +200,13 @@ class _CpuPerProcess:
         self.first: tuple[int, dict[str, float]] | None = None
         self.last: tuple[int, dict[str, float]] | None = None
         self.procs: dict[str, Any] = {}
+        self.boundaries: list[tuple[int, float]] = []  # (batches done, perf_counter) per chunk end
 
     def __call__(self, live: Any) -> None:
         import psutil
         import ray
 
+        self.boundaries.append((live.step, time.perf_counter()))
         if not self.procs:
             actors = [("data", w) for w in live.data_workers] + [
                 (f"stage{s + 1}", w) for s, replicas in enumerate(live.stage_workers) for w in replicas
@@ -223,6 +225,14 @@ class _CpuPerProcess:
         if self.first is None:
             self.first = (live.step, now)
         self.last = (live.step, now)
+
+    def rate_after(self, warmup: int, batch_size: int) -> tuple[int, float]:
+        """(samples, seconds) between the first boundary at or after `warmup` batches and the last."""
+        after = [b for b in self.boundaries if b[0] >= warmup]
+        if len(after) < 2:
+            raise SystemExit(f"too few chunks after {warmup} warm-up batches: raise --steps")
+        (s0, t0), (s1, t1) = after[0], after[-1]
+        return (s1 - s0) * batch_size, t1 - t0
 
     def per_batch(self) -> dict[str, float]:
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:

@@ -52,7 +52,8 @@ print(*[s.getsockname()[1] for s in socks])')
       exit 0
     fi
     # The cluster's processes (and so a job's entrypoint `python`) use this project's environment.
-    PATH="$(cd "$(dirname "$RAY_BIN")" && pwd):$PATH" "${start_cmd[@]}"
+    # Workers at the raylet's priority, not Ray's default nice 15 (heterps_ray/cluster.py SYSTEM_CONFIG).
+    PATH="$(cd "$(dirname "$RAY_BIN")" && pwd):$PATH" RAY_worker_niceness=0 "${start_cmd[@]}"
     echo "Ray cluster up at $ADDRESS with resource types $resources"
     ;;
   submit)
