@@ -42,13 +42,7 @@ class FaultRecord:
 
 # A compiled chain (chain.py) sees a dead actor as a closed or silent channel; the probes of the
 # recovery then tell which actor died (none: the error is re-raised).
-# ActorUnavailableError: the actor's node is going away (seen when a node is killed mid-run).
-_DEATHS = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.ActorUnavailableError,
-    ray.exceptions.ObjectLostError,
-    ray.exceptions.RayChannelError,
-)
+_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.RayChannelError)
 
 
 def is_actor_death(exc: BaseException) -> bool:
