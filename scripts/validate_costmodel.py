@@ -37,6 +37,7 @@ class Case:
     mode: str
     micro_batches: int
     ps_shards: int = 1
+    batches_ahead: int = 0  # async: runtime.batches_ahead
 
 
 S, B = "cpu_small", "cpu_big"
@@ -46,6 +47,11 @@ CASES = (
     Case("2 stages, sync, 4 micro-batches", (S, B, B, B, B, B), (1, 1), "sync", 4),
     Case("3 stages, sync", (S, B, B, S, S, S), (1, 1, 1), "sync", 1),
     Case("3 stages, async, 2 DataWorkers", (S, B, B, S, S, S), (2, 1, 1), "async", 1),
+    Case("1 stage on cpu_big, sync", (B,) * 6, (1,), "sync", 1),
+    Case("4 stages, sync", (S, B, S, B, B, B), (1, 1, 1, 1), "sync", 1),
+    Case("2 stages, async, 2 batches ahead", (S, B, B, B, B, B), (1, 1), "async", 1, batches_ahead=2),
+    Case("2 stages, async, 2 replicas", (S, S, B, B, B, B), (1, 2), "async", 1),
+    Case("1 stage, async, 2 DataWorkers", (S,) * 6, (2,), "async", 1),
 )
 
 
@@ -149,7 +155,14 @@ def main() -> None:
         plan = _plan(problem_file, case)
         workers = case.replicas[0]
         steps = args.batches_per_worker * workers
-        case_job = load_job(job_file, {"mode": case.mode, "runtime.micro_batches": case.micro_batches})
+        case_job = load_job(
+            job_file,
+            {
+                "mode": case.mode,
+                "runtime.micro_batches": case.micro_batches,
+                "runtime.batches_ahead": case.batches_ahead,
+            },
+        )
         load_before = os.getloadavg()[0]
         load.append(load_before)
         summary = train(case_job, plan, steps=steps, progress=False, save=False)
@@ -160,6 +173,7 @@ def main() -> None:
             "ps_shards": case.ps_shards,
             "mode": case.mode,
             "micro_batches": case.micro_batches,
+            "batches_ahead": case.batches_ahead,
             "max_in_flight": case_job.runtime.max_in_flight,
             "batches": steps,
             "measured": summary.steady_throughput or summary.throughput,
@@ -189,9 +203,18 @@ def _plan(problem_file: Path, case: Any) -> Any:
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.scheduling import Plan
 
-    problem = load_problem(problem_file)
+    problem = _executed(load_problem(problem_file), case)
     evaluation = CostModel(problem).evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
     return Plan.from_evaluation(problem, evaluation, "validation")
+
+
+def _executed(problem: Any, case: Any) -> Any:
+    """The problem as the case's job runs it (its runtime section's execution fields)."""
+    from heterps_ray.costmodel import as_executed
+
+    return as_executed(
+        problem, mode=case.mode, micro_batches=case.micro_batches, batches_ahead=case.batches_ahead
+    )
 
 
 def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
@@ -207,8 +230,10 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
     extras = simulator_options(read_yaml(path_extras)) if path_extras.exists() else {}
     extras["startup_ms"] = 0.0  # the steady state: the measured rate leaves the warm-up chunk out
     case = Case(row["case"], tuple(row["assignment"]), tuple(row["replicas"]), row["mode"], row["micro_batches"],
-                row["ps_shards"])  # fmt: skip
-    evaluation = CostModel(problem).evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
+                row["ps_shards"], row.get("batches_ahead", 0))  # fmt: skip
+    evaluation = CostModel(_executed(problem, case)).evaluate(
+        list(case.assignment), list(case.replicas), case.ps_shards
+    )
     plan = _plan(problem_file, case)
     sim = simulate(
         problem,
@@ -221,8 +246,13 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
         **extras,
     )
     measured = row["measured"]
+    base = CostModel(problem.model_copy(update={"runtime": None})).evaluate(
+        list(case.assignment), list(case.replicas), case.ps_shards
+    )
     return {
         "stages": " → ".join(f"{_span(s.layers)} on {s.type} ×{s.replicas}" for s in plan.stages),
+        "base_model": base.throughput,
+        "bound": evaluation.bound,
         "analytic": evaluation.throughput,
         "simulator": sim.throughput,
         "analytic_error": evaluation.throughput / measured - 1.0,
@@ -254,8 +284,8 @@ def _repredict(measured: Path, problem: Path | None) -> None:
 
 def _print_row(row: dict[str, Any]) -> None:
     print(
-        f"{row['case']:<34} measured {row['measured']:8,.0f}  analytic {row['analytic']:8,.0f} "
-        f"({row['analytic_error']:+.0%})  simulator {row['simulator']:8,.0f} ({row['simulator_error']:+.0%})  "
+        f"{row['case']:<34} measured {row['measured']:8,.0f}  model {row['analytic']:8,.0f} "
+        f"({row['analytic_error']:+.0%}, {row['bound']})  base {row['base_model']:8,.0f}  simulator {row['simulator']:8,.0f} ({row['simulator_error']:+.0%})  "
         f"busy measured {_pct(row['measured_busy'])} simulated {_pct(row['simulated_busy'])}",
         flush=True,
     )
@@ -281,17 +311,17 @@ def _pct(values: list[float]) -> str:
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| plan | mode | K | load | whole run | measured, steady (samples/s) | analytic | error | simulator | error | busy measured | busy simulated |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| plan | mode | K | ahead | load | measured, steady (samples/s) | model | error | bound | base model | error | simulator | error |",
+        "|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         load = r["load_average"]
         load_text = "–".join(f"{x:.1f}" for x in load) if isinstance(load, list) else f"{load:.1f}"
         lines.append(
-            f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {load_text} | {r['measured_whole_run']:,.0f} | "
-            f"{r['measured']:,.0f} | {r['analytic']:,.0f} | "
-            f"{r['analytic_error']:+.0%} | {r['simulator']:,.0f} | {r['simulator_error']:+.0%} | "
-            f"{_pct(r['measured_busy'])} | {_pct(r['simulated_busy'])} |"
+            f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {r.get('batches_ahead', 0)} | {load_text} | "
+            f"{r['measured']:,.0f} | {r['analytic']:,.0f} | {r['analytic_error']:+.0%} | {r['bound']} | "
+            f"{r['base_model']:,.0f} | {r['base_model'] / r['measured'] - 1:+.0%} | "
+            f"{r['simulator']:,.0f} | {r['simulator_error']:+.0%} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ import yaml
 
 from heterps_ray.cli import main
 from heterps_ray.config import load_job
-from heterps_ray.costmodel import load_problem
+from heterps_ray.costmodel import CostModel, load_problem
 from heterps_ray.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +50,8 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
             "--batch-sizes",
             "32,64,128",
             "--quick",
+            "--probe-steps",
+            "60",
             "--no-progress",
         ]
     )
@@ -96,6 +98,7 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
         "call_cpu",
         "call",
         "stage",
+        "probe",
     }
     calls = raw[raw["kind"] == "call"]  # every type's own work per call, at each message size
     assert set(calls["resource"]) == {"cpu_small", "cpu_big"} and (calls["ms"] > 0).all()
@@ -115,6 +118,24 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     flagged = quality["flags"].fillna("").str.len().gt(0).sum()
     head = output.read_text().splitlines()[: flagged + 8]
     assert any(line.startswith("# POOR FITS") for line in head) == (flagged > 0)
+    # The runtime terms (DESIGN.md §3b): the job's execution, and what the probes took beyond the layers:
+    # priced with them, each probe's plan takes the ms per batch it was measured at (unless clamped at 0).
+    assert problem.runtime is not None and problem.runtime.mode == "sync"
+    assert set(problem.runtime.call_ms) == {"cpu_small", "cpu_big"}
+    assert problem.runtime.ps_wait_ms_per_row > 0
+    probes = raw[raw["kind"] == "probe"]
+    assert len(probes) == 3 and (probes["ms"] > 0).all()
+    model = CostModel(problem)
+    names = problem.layer_names
+    for _, probe in probes.iterrows():
+        split = names.index(probe["layer"]) + 1
+        first = probe["peer"] or probe["resource"]
+        assignment = [first] * split + [probe["resource"]] * (len(names) - split)
+        limits = model.evaluate(assignment, [1] * (1 + (split < len(names))), 1).runtime
+        assert limits is not None
+        clamped = probe["peer"] and problem.runtime.call_ms[probe["resource"]] == 0.0
+        if not clamped and (probe["peer"] or problem.runtime.ps_hosted_ms_per_row > 0):
+            assert limits.loop_ms == pytest.approx(probe["ms"], rel=1e-3)
     runtime = yaml.safe_load((tmp_path / "problem.runtime.yaml").read_text())
     assert runtime["dense_params"]["fc1"] == spec.layers[1].dense_params
     assert 0.0 < runtime["ps_pull_share"] < 1.0

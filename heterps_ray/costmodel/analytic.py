@@ -1,5 +1,9 @@
 """The analytic cost model of DESIGN.md §3: stage times, pipeline throughput, cost rate and cost.
 
+A problem with a `runtime` section is priced with the runtime terms of §3b (runtime_terms.py): the
+throughput the runtime achieves, not the base model's pipeline of free messages on dedicated cores.
+Every scheduler optimises this one model and a plan promises what it says.
+
 Two ways to price plans, which agree exactly (tests check it):
 * :meth:`CostModel.evaluate` — one plan, plain Python over plain numbers, easy to read;
 * :meth:`CostModel.evaluate_batch` — many plans at once with numpy (measured ~1.5e5 plans/s for
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterps_ray.costmodel.problem import Problem
+from heterps_ray.costmodel.runtime_terms import RuntimeLimits, limits, throughput_tables
 
 BYTES_PER_MS_PER_GBPS = 125_000.0  # 1 Gbit/s = 1e9 bit/s / 8 bit/byte / 1000 ms/s = 125,000 bytes/ms
 MS_PER_S = 1000.0  # ms per second
@@ -114,6 +119,16 @@ class Evaluation:
     runnable: bool  # every layer on a type that can run it
     available: bool  # max_instances respected, replicas >= 1, ps_shards >= min_shards
     meets_floor: bool
+    runtime: RuntimeLimits | None = None  # the runtime terms (DESIGN.md §3b), when the problem has them
+
+    @property
+    def bound(self) -> str:
+        """What limits the throughput: 'stage j', 'ps', and with runtime terms 'loop' or 'host'."""
+        if self.runtime is not None:
+            return self.runtime.bound(self.ps_throughput)
+        terms = {f"stage {j}": s.throughput for j, s in enumerate(self.stages)}
+        terms["ps"] = self.ps_throughput
+        return min(terms, key=lambda name: terms[name])
 
     @property
     def feasible(self) -> bool:
@@ -163,11 +178,14 @@ class CostModel:
         )  # [L, T]
         # c(l,t) in ms; inf where the type cannot run the layer
         self.compute_ms = np.full((self.num_layers, self.num_types), np.inf)
+        self.fixed_ms = np.full((self.num_layers, self.num_types), np.inf)
+        self.per_sample_ms = np.full((self.num_layers, self.num_types), np.inf)
         for li, layer in enumerate(problem.layers):
             for t, r in enumerate(types):
                 if r.name in layer.time_ms:
                     lt = layer.time_ms[r.name]
                     self.compute_ms[li, t] = layer_ms(lt.fixed, lt.per_sample, B)
+                    self.fixed_ms[li, t], self.per_sample_ms[li, t] = lt.fixed, lt.per_sample
         self.parallel_fraction = np.array([layer.parallel_fraction for layer in problem.layers])
         # boundary_ms[l, t]: one side's time (type t) on the boundary after layer l
         self.boundary_ms = np.array(
@@ -227,6 +245,21 @@ class CostModel:
     def ps_throughput(self, shards: int) -> float:
         return ps_throughput(shards, self.ps_rows_per_second, self.rows_per_sample)
 
+    def throughput_tables(
+        self, stages: Sequence[StageTime], max_replicas: Sequence[int]
+    ) -> tuple[list[np.ndarray], float]:
+        """Per stage, its throughput with 1..max replicas, and a cap on the plan no count changes
+        (inf in the base model); with runtime terms, for shards on actors (runtime_terms.py)."""
+        if self.problem.runtime is not None:
+            spans = [(s.start, s.end, s.type) for s in stages]
+            return throughput_tables(self, spans, [s.alpha for s in stages], max_replicas)
+        tables = []
+        for st, k_max in zip(stages, max_replicas, strict=True):
+            k = np.arange(1, k_max + 1)
+            with np.errstate(divide="ignore"):
+                tables.append(MS_PER_S * self.batch_size / st.tau_ms / ((1.0 - st.alpha) + st.alpha / k))
+        return tables, math.inf
+
     def segment_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """tau[i, j, t] and alpha[i, j, t] of layers i..j (inclusive) as one stage on type t.
 
@@ -264,16 +297,28 @@ class CostModel:
         if len(counts) != len(stages):
             raise ValueError(f"{len(counts)} replica counts for {len(stages)} stages")
         runnable = all(self.runnable[li, t] for li, t in enumerate(a))
+        terms = None
+        if self.problem.runtime is not None and runnable and all(k >= 1 for k in counts):
+            terms = limits(
+                self, [(s.start, s.end, s.type) for s in stages], counts, [s.alpha for s in stages]
+            )
         instances = [0] * self.num_types
         instances[self.ps_type] += int(ps_shards)
-        priced, cost_rate = [], ps_shards * float(self.price[self.ps_type])
+        priced: list[StageEvaluation] = []
+        cost_rate = ps_shards * float(self.price[self.ps_type])
         for st, k in zip(stages, counts, strict=True):
             instances[st.type] += int(k)
             cost_rate += k * float(self.price[st.type])
-            theta = stage_throughput(self.batch_size, st.tau_ms, st.alpha, k) if k >= 1 else 0.0
-            priced.append(StageEvaluation(st.start, st.end, st.type, int(k), st.tau_ms, st.alpha, theta))
+            tau = st.tau_ms if terms is None else terms.stage_ms[len(priced)]
+            if terms is not None:
+                theta = terms.stage_throughput[len(priced)]
+            else:
+                theta = stage_throughput(self.batch_size, tau, st.alpha, k) if k >= 1 else 0.0
+            priced.append(StageEvaluation(st.start, st.end, st.type, int(k), tau, st.alpha, theta))
         theta_ps = self.ps_throughput(ps_shards)
         throughput = min([s.throughput for s in priced] + [theta_ps]) if runnable else 0.0
+        if terms is not None:
+            throughput = min(throughput, terms.loop_throughput, terms.host_throughput)
         available = (
             all(k >= 1 for k in counts)
             and ps_shards >= self.ps_min_shards
@@ -290,6 +335,7 @@ class CostModel:
             runnable=runnable,
             available=available,
             meets_floor=meets_floor(throughput, self.floor),
+            runtime=terms,
         )
 
     # -- many plans ----------------------------------------------------------------------------
@@ -311,6 +357,8 @@ class CostModel:
         if k.ndim < 2:
             k = np.broadcast_to(k.reshape(-1, 1) if k.ndim == 1 else k, (P, L))
         m = np.broadcast_to(np.asarray(ps_shards, dtype=np.int64), (P,))
+        if self.problem.runtime is not None:
+            return self._evaluate_each(a, k, m)
         layer = np.arange(L)
 
         runnable_lt = self.runnable[layer, a]  # [P, L]
@@ -369,4 +417,20 @@ class CostModel:
             runnable=np.asarray(runnable),
             available=available,
             meets_floor=throughput >= self.floor * (1.0 - FLOOR_RTOL),
+        )
+
+    def _evaluate_each(self, a: np.ndarray, k: np.ndarray, m: np.ndarray) -> BatchEvaluation:
+        """evaluate_batch with runtime terms: one plan at a time (their terms couple the stages)."""
+        evaluations = []
+        for plan in range(len(a)):
+            num_stages = len(self.split_stages(a[plan]))
+            evaluations.append(self.evaluate(a[plan], k[plan, :num_stages].tolist(), int(m[plan])))
+        return BatchEvaluation(
+            throughput=np.array([e.throughput for e in evaluations], dtype=np.float64),
+            cost_rate=np.array([e.cost_rate for e in evaluations], dtype=np.float64),
+            cost=np.array([e.cost for e in evaluations], dtype=np.float64),
+            num_stages=np.array([len(e.stages) for e in evaluations], dtype=np.int64),
+            runnable=np.array([e.runnable for e in evaluations], dtype=bool),
+            available=np.array([e.available for e in evaluations], dtype=bool),
+            meets_floor=np.array([e.meets_floor for e in evaluations], dtype=bool),
         )

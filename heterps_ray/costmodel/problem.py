@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
@@ -91,6 +91,47 @@ class Host(BaseModel):
     )
 
 
+class RuntimeTerms(BaseModel):
+    """How the runtime executes a plan (DESIGN.md §3b): the terms the base model leaves out. A problem
+    with this section is priced as the runtime runs it; without it, exactly as the base model of §3.
+    `heterps profile` fills it from the job and from measurements of the runtime's own actors."""
+
+    model_config = _STRICT
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: each DataWorker trains one batch at a time (replicas add nothing)"
+    )
+    micro_batches: int = Field(
+        1, ge=1, description="micro-batches per batch (the job's runtime.micro_batches)"
+    )
+    max_in_flight: int = Field(4, ge=1, description="micro-batches a DataWorker keeps in flight")
+    batches_ahead: int = Field(0, ge=0, description="async: batches a DataWorker overlaps beyond the first")
+    ps_hosting: Literal["auto", "actors"] = Field(
+        "auto", description="auto: one DataWorker and no replicated stage host the shards in-process"
+    )
+    call_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="per resource type: wall ms of one call's round trip to a stage actor of that type "
+        "beyond its layers and the bytes it carries (Ray, (de)serialising, the actor's bookkeeping); "
+        "absent type: 2 x its latency_ms",
+    )
+    ps_wait_ms_per_row: float = Field(
+        0.0,
+        ge=0,
+        description="ms a DataWorker waits per sparse row of a batch (pull + its part of the "
+        "push) when the shards are actors",
+    )
+    ps_hosted_ms_per_row: float = Field(
+        0.0, ge=0, description="the same when the shards live in the DataWorker's process"
+    )
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches one DataWorker overlaps: sync fills one batch; async up to batches_ahead more."""
+        window = self.micro_batches * (1 + (self.batches_ahead if self.mode == "async" else 0))
+        return min(self.max_in_flight, window)
+
+
 class LayerTime(BaseModel):
     """c(l, t) = fixed + per_sample * B, in ms for one replica (forward + backward)."""
 
@@ -125,6 +166,9 @@ class Problem(BaseModel):
     layers: tuple[Layer, ...] = Field(min_length=1)
     hosts: tuple[Host, ...] | None = Field(
         None, description="shared machines (absent: every actor has its own cores)"
+    )
+    runtime: RuntimeTerms | None = Field(
+        None, description="how the runtime executes plans (DESIGN.md §3b; absent: the base model)"
     )
     notes: str | None = None
 
@@ -176,6 +220,24 @@ class Problem(BaseModel):
                         type_name,
                     )
                 seen[type_name] = host.name
+        if self.runtime is not None:
+            for type_name in self.runtime.call_ms:
+                if type_name not in names:
+                    raise ConfigError(file, "runtime.call_ms", f"resource types, of {names}", type_name)
+            if self.runtime.mode == "sync" and self.runtime.batches_ahead:
+                raise ConfigError(
+                    file,
+                    "runtime.batches_ahead",
+                    "0 in sync mode (async overlaps batches)",
+                    self.runtime.batches_ahead,
+                )
+            if self.batch_size % self.runtime.micro_batches:
+                raise ConfigError(
+                    file,
+                    "runtime.micro_batches",
+                    f"a divisor of batch_size ({self.batch_size})",
+                    self.runtime.micro_batches,
+                )
         return self
 
     # -- lookups -------------------------------------------------------------------------------
@@ -261,6 +323,17 @@ def problem_from_dict(data: dict[str, Any], file: str | None = None) -> Problem:
 def load_problem(path: str | Path) -> Problem:
     """Load a problem file (YAML or JSON)."""
     return problem_from_dict(read_yaml(path), str(path))
+
+
+def as_executed(problem: Problem, **execution: Any) -> Problem:
+    """`problem` with its runtime section's execution fields (mode, micro_batches, max_in_flight,
+    batches_ahead, ps_hosting) set, keeping its measured terms; a problem without the section gets
+    one with these fields and no measured terms."""
+    data = problem.to_dict()
+    data["runtime"] = {**data.get("runtime", {}), **execution}
+    if data["runtime"].get("mode") == "sync":
+        data["runtime"]["batches_ahead"] = 0
+    return problem_from_dict(data)
 
 
 def one_replica_per_stage(problem: Problem) -> Problem:

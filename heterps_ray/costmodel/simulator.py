@@ -39,11 +39,10 @@ Example::
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -51,6 +50,7 @@ import numpy as np
 import pandas as pd
 
 from heterps_ray.costmodel.problem import Layer, Problem, Resource
+from heterps_ray.costmodel.sim_engine import Engine, Event, Process, SharedHost
 from heterps_ray.errors import ConfigError
 
 _BYTES_PER_MS_PER_GBPS = 125_000.0  # 1 Gbit/s = 125,000 bytes/ms (DESIGN.md §3)
@@ -299,126 +299,6 @@ def simulate_pipeline(
     return sim.result()
 
 
-# ---------------------------------------------------------------------------------------------
-# A minimal process engine: a process is a generator yielding a delay (ms) or an _Event to wait on.
-
-_Process = Generator[Any, None, None]
-
-
-class _Event:
-    """Something that happens once (a call's result, a PS request served); callbacks run then."""
-
-    __slots__ = ("done", "callbacks", "time")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.callbacks: list[Callable[[], None]] = []
-        self.time = 0.0  # when it happened (once done)
-
-
-class _Engine:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    def at(self, time: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (time, next(self._seq), action))
-
-    def trigger(self, event: _Event) -> None:
-        event.done = True
-        event.time = self.now
-        callbacks, event.callbacks = event.callbacks, []
-        for cb in callbacks:
-            self.at(self.now, cb)
-
-    def after(self, event: _Event | None, delay: float) -> _Event | None:
-        """An event `delay` ms after `event` happens (after now when `event` is None)."""
-        if delay <= 0:
-            return event
-        later = _Event()
-        if event is None:
-            self.at(self.now + delay, lambda: self.trigger(later))
-        elif event.done:
-            self.at(max(self.now, event.time + delay), lambda: self.trigger(later))
-        else:
-            event.callbacks.append(lambda: self.at(self.now + delay, lambda: self.trigger(later)))
-        return later
-
-    def event_at(self, time: float) -> _Event:
-        event = _Event()
-        self.at(time, lambda: self.trigger(event))
-        return event
-
-    def spawn(self, process: _Process) -> None:
-        self._step(process)
-
-    def _step(self, process: _Process) -> None:
-        try:
-            command = next(process)
-        except StopIteration:
-            return
-        if isinstance(command, _Event):
-            if command.done:
-                self.at(self.now, lambda: self._step(process))
-            else:
-                command.callbacks.append(lambda: self._step(process))
-        else:
-            self.at(self.now + float(command), lambda: self._step(process))
-
-    def run(self) -> None:
-        while self._heap:
-            self.now, _, action = heapq.heappop(self._heap)
-            action()
-
-
-class _SharedHost:
-    """Processor sharing of one machine's cores: each running job has a weight (the threads its
-    actor keeps busy); while the weights add up to more than the free cores (`cores` less the
-    `background`), every job progresses at free cores / total weight of its solo speed."""
-
-    def __init__(self, engine: _Engine, cores: float, background: float):
-        self.engine = engine
-        self.free = max(cores - background, 1e-6)
-        self.jobs: dict[int, list[Any]] = {}  # id -> [remaining solo ms, weight, done event]
-        self._ids = itertools.count()
-        self._last = 0.0
-        self._token = 0
-
-    def rate(self) -> float:
-        weight = sum(job[1] for job in self.jobs.values())
-        return 1.0 if weight <= self.free else self.free / weight
-
-    def run(self, ms: float, weight: float) -> _Event:
-        """A job of `ms` solo milliseconds; the event fires when it is done."""
-        self._advance()
-        done = _Event()
-        self.jobs[next(self._ids)] = [ms, weight, done]
-        self._reschedule()
-        return done
-
-    def _advance(self) -> None:
-        elapsed = (self.engine.now - self._last) * self.rate()
-        for job in self.jobs.values():
-            job[0] -= elapsed
-        self._last = self.engine.now
-
-    def _reschedule(self) -> None:
-        self._token += 1
-        if self.jobs:
-            token = self._token
-            first = min(job[0] for job in self.jobs.values())
-            self.engine.at(self.engine.now + max(first, 0.0) / self.rate(), lambda: self._finish(token))
-
-    def _finish(self, token: int) -> None:
-        if token != self._token:  # the set of jobs changed since this was scheduled
-            return
-        self._advance()
-        for key in [k for k, job in self.jobs.items() if job[0] <= 1e-9]:
-            self.engine.trigger(self.jobs.pop(key)[2])
-        self._reschedule()
-
-
 @dataclass
 class _Call:
     """One actor call on a StageWorker: waits for `needs`, then takes `ms`, then fires `out`."""
@@ -427,8 +307,8 @@ class _Call:
     seq: int
     kind: str
     ms: float
-    needs: _Event | None
-    out: _Event
+    needs: Event | None
+    out: Event
     batch: int
     micro: int
 
@@ -440,7 +320,7 @@ class _Micro:
     batch: int
     micro: int
     route: list[int]
-    grad: _Event | None = None
+    grad: Event | None = None
     grad_from: int = 0  # the stage that sends `grad`
 
 
@@ -462,16 +342,16 @@ class _Simulation:
         self.sync = mode == "sync"
         self.batch_size, self.k = batch_size, micro_batches
         self.window = max_in_flight if max_in_flight is not None else 1 << 40
-        self.engine = _Engine()
+        self.engine = Engine()
         self.n = len(stages)
         self.busy_count = [0] * self.n  # replicas of each stage computing right now
         self.busy_ms = [0.0] * self.n
-        self.hosts = [_SharedHost(self.engine, cores, background) for cores, background in hosts]
-        self.shard_queue: list[deque[tuple[float, str, int, int, _Event]]] = [
+        self.hosts = [SharedHost(self.engine, cores, background) for cores, background in hosts]
+        self.shard_queue: list[deque[tuple[float, str, int, int, Event]]] = [
             deque() for _ in range(max(ps.shards, 1))
         ]
         self.shard_idle = [True] * len(self.shard_queue)
-        self.shard_wake = [_Event() for _ in self.shard_queue]
+        self.shard_wake = [Event() for _ in self.shard_queue]
         self.shard_busy_ms = 0.0
         self.spans: list[tuple[float, float, int, int, str, int, int]] = []
         self.queue_log: list[tuple[float, int, int, int]] = []
@@ -479,8 +359,8 @@ class _Simulation:
         # StageWorkers: per replica, per caller, calls in submission order
         self.calls: list[list[dict[int, deque[_Call]]]] = [[{} for _ in range(st.replicas)] for st in stages]
         self.idle: list[list[bool]] = [[True] * st.replicas for st in stages]
-        self.wake: list[list[_Event]] = [[_Event() for _ in range(st.replicas)] for st in stages]
-        self._last_dense: dict[tuple[int, int], _Event] = {}  # each replica's previous dense push
+        self.wake: list[list[Event]] = [[Event() for _ in range(st.replicas)] for st in stages]
+        self._last_dense: dict[tuple[int, int], Event] = {}  # each replica's previous dense push
         self.samples_done = 0
         self.end_ms = 0.0
         self._seq = itertools.count()
@@ -504,7 +384,7 @@ class _Simulation:
         busy = self.busy_count[stage]  # including the caller
         return 1.0 + (busy - 1) * (1.0 - self.stages[stage].parallel_fraction)
 
-    def _cpu(self, ms: float, threads: int, host: int | None) -> _Process:
+    def _cpu(self, ms: float, threads: int, host: int | None) -> Process:
         """Take `ms` of solo time, on a shared host as one job weighted by `threads`."""
         if host is None:
             yield ms
@@ -517,7 +397,7 @@ class _Simulation:
         if host is not None and ms > 0:
             self.hosts[host].run(ms, 1)
 
-    def _compute(self, stage: int, replica: int, ms: float, kind: str, batch: int, micro: int) -> _Process:
+    def _compute(self, stage: int, replica: int, ms: float, kind: str, batch: int, micro: int) -> Process:
         """Occupy a replica for `ms` (stretched by the replicas busy at once, or by its shared host)."""
         if ms <= 0:
             return
@@ -530,10 +410,10 @@ class _Simulation:
         self.spans.append((start, self.engine.now, stage, replica, kind, batch, micro))
 
     # -- the PS ----------------------------------------------------------------------------------
-    def _ps(self, rows: float, pull: bool, batch: int, micro: int) -> _Event:
+    def _ps(self, rows: float, pull: bool, batch: int, micro: int) -> Event:
         """A pull or push of `rows` rows, split evenly over the shards (FIFO each); done when all are."""
         if rows <= 0 or math.isinf(self.ps.rows_per_second_per_shard):
-            done = _Event()
+            done = Event()
             done.done = True
             return done
         part = self.ps.service_ms(rows, pull)
@@ -543,21 +423,21 @@ class _Simulation:
         ]
         return self._all(parts)
 
-    def _dense_push(self, stage: int, batch: int, micro: int) -> _Event:
+    def _dense_push(self, stage: int, batch: int, micro: int) -> Event:
         """Async: one optimizer step of a stage's dense table on its PS shard (stage mod shards)."""
         shard = stage % len(self.shard_queue)
         return self._enqueue(shard, self.stages[stage].dense_push_ms, f"dense{stage}", batch, micro)
 
-    def _enqueue(self, shard: int, ms: float, kind: str, batch: int, micro: int) -> _Event:
-        done = _Event()
+    def _enqueue(self, shard: int, ms: float, kind: str, batch: int, micro: int) -> Event:
+        done = Event()
         self.shard_queue[shard].append((ms, kind, batch, micro, done))
         if self.shard_idle[shard] and not self.shard_wake[shard].done:
             self.engine.trigger(self.shard_wake[shard])
         return done
 
-    def _all(self, events: list[_Event]) -> _Event:
+    def _all(self, events: list[Event]) -> Event:
         """An event that fires when every one of `events` has."""
-        done = _Event()
+        done = Event()
         waiting = [e for e in events if not e.done]
         if not waiting:
             done.done = True
@@ -573,13 +453,13 @@ class _Simulation:
             e.callbacks.append(one_done)
         return done
 
-    def _shard_server(self, shard: int) -> _Process:
+    def _shard_server(self, shard: int) -> Process:
         """One PS shard: requests in arrival order, one at a time."""
         queue = self.shard_queue[shard]
         while True:
             if not queue:
                 self.shard_idle[shard] = True
-                self.shard_wake[shard] = _Event()
+                self.shard_wake[shard] = Event()
                 yield self.shard_wake[shard]
                 continue
             self.shard_idle[shard] = False
@@ -616,12 +496,12 @@ class _Simulation:
             self.calls[stage][replica][best.caller].popleft()
         return best
 
-    def _stage_worker(self, stage: int, replica: int) -> _Process:
+    def _stage_worker(self, stage: int, replica: int) -> Process:
         while True:
             call = self._next_call(stage, replica)
             if call is None:
                 self.idle[stage][replica] = True
-                self.wake[stage][replica] = _Event()
+                self.wake[stage][replica] = Event()
                 yield self.wake[stage][replica]
                 continue
             self.idle[stage][replica] = False
@@ -633,7 +513,7 @@ class _Simulation:
             if not self.sync and dense_ms > 0 and call.kind != "forward":
                 yield from self._dense_update(stage, replica, call)
 
-    def _dense_update(self, stage: int, replica: int, call: _Call) -> _Process:
+    def _dense_update(self, stage: int, replica: int, call: _Call) -> Process:
         """Async: wait for this replica's previous dense push, then send the next (runtime.workers)."""
         key = (stage, replica)
         previous = self._last_dense.get(key)
@@ -642,11 +522,11 @@ class _Simulation:
         self._last_dense[key] = self._dense_push(stage, call.batch, call.micro)
 
     # -- DataWorkers -----------------------------------------------------------------------------
-    def _data_worker(self, worker: int, batches: int) -> _Process:
+    def _data_worker(self, worker: int, batches: int) -> Process:
         st0 = self.stages[0]
         fwd_q: deque[_Micro] = deque()
         bwd_q: deque[_Micro] = deque()
-        pushes: deque[_Event] = deque()
+        pushes: deque[Event] = deque()
         lag = max(0, self.window - 1)
         counter = 0
         replicas = [st.replicas for st in self.stages[1:]]
@@ -683,8 +563,8 @@ class _Simulation:
         self.end_ms = max(self.end_ms, self.engine.now)
 
     def _drain(
-        self, worker: int, fwd_q: deque[_Micro], bwd_q: deque[_Micro], pushes: deque[_Event]
-    ) -> _Process:
+        self, worker: int, fwd_q: deque[_Micro], bwd_q: deque[_Micro], pushes: deque[Event]
+    ) -> Process:
         """Finish every micro-batch in flight and wait for every push (end of a DataWorker's run)."""
         while fwd_q:
             self._backward(worker, fwd_q.popleft(), bwd_q)
@@ -693,12 +573,12 @@ class _Simulation:
         while pushes:
             yield pushes.popleft()
 
-    def _push(self, worker: int, rows: float, batch: int, micro: int, pushes: deque[_Event]) -> _Process:
+    def _push(self, worker: int, rows: float, batch: int, micro: int, pushes: deque[Event]) -> Process:
         """The DataWorker sums the gradients (its own work), then the shards apply them (not waited for)."""
         yield from self._compute(0, worker, self.ps.client_ms(rows), "push", batch, micro)
         pushes.append(self._ps(rows, False, batch, micro))
 
-    def _forward(self, worker: int, item: _Micro) -> _Process:
+    def _forward(self, worker: int, item: _Micro) -> Process:
         st0 = self.stages[0]
         if not self.sync:
             yield self._ps(self.ps.rows, True, item.batch, item.micro)
@@ -710,7 +590,7 @@ class _Simulation:
         yield from self._compute(
             0, worker, st0.forward_ms + st0.send_forward_ms, "forward", item.batch, item.micro
         )
-        ready: _Event | None = None
+        ready: Event | None = None
         for s in range(1, self.n):
             ready = self.engine.after(ready, self._flight(s - 1, s))
             st = self.stages[s]
@@ -721,7 +601,7 @@ class _Simulation:
                 + st.forward_ms
                 + (st.backward_ms + st.send_backward_ms if last else st.send_forward_ms)
             )
-            out = _Event()
+            out = Event()
             kind = "forward_backward" if last else "forward"
             self._submit(
                 s,
@@ -740,7 +620,7 @@ class _Simulation:
         for s in range(self.n - 2, 0, -1):
             st = self.stages[s]
             ms = st.call_ms + st.recv_backward_ms + st.backward_ms + st.send_backward_ms
-            out = _Event()
+            out = Event()
             needs = self.engine.after(item.grad, self._flight(item.grad_from, s))
             self._submit(
                 s,
@@ -750,7 +630,7 @@ class _Simulation:
             item.grad, item.grad_from = out, s
         bwd_q.append(item)
 
-    def _finish(self, worker: int, item: _Micro, pushes: deque[_Event]) -> _Process:
+    def _finish(self, worker: int, item: _Micro, pushes: deque[Event]) -> Process:
         """Wait for the gradient, run stage 0's backward, push sparse gradients (async)."""
         st0 = self.stages[0]
         grad = self.engine.after(item.grad, self._flight(item.grad_from, 0)) if self.n > 1 else None
@@ -765,7 +645,7 @@ class _Simulation:
                 yield pushes.popleft()
             if st0.dense_push_ms > 0:
                 yield from self._dense_update(
-                    0, worker, _Call(worker, 0, "backward", 0.0, None, _Event(), item.batch, item.micro)
+                    0, worker, _Call(worker, 0, "backward", 0.0, None, Event(), item.batch, item.micro)
                 )
         self.samples_done += self.batch_size // self.k
         self.in_flight[worker] -= 1

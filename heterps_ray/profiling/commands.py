@@ -36,6 +36,12 @@ def register(subparsers: Any) -> None:
         "--quick", action="store_true", help="a fast, rough profile for smoke tests (not for planning)"
     )
     p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=None,
+        help="batches each runtime probe trains (default 120; --quick: 0, no probes, no call terms)",
+    )
+    p.add_argument(
         "--address", default=None, help="Ray cluster address (default: start an embedded local Ray)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,6 +65,10 @@ def _profile(args: argparse.Namespace) -> int:
     if args.repeat_factor < 1:
         raise ConfigError(None, "--repeat-factor", "a positive integer", args.repeat_factor)
     settings = settings.scaled(args.repeat_factor)
+    if args.probe_steps is not None:
+        if args.probe_steps < 0:
+            raise ConfigError(None, "--probe-steps", "0 or more batches", args.probe_steps)
+        settings = dataclasses.replace(settings, probe_steps=args.probe_steps)
     if args.batch_sizes:
         try:
             sizes = tuple(int(x) for x in args.batch_sizes.split(","))

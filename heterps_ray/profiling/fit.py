@@ -162,11 +162,14 @@ def fit_problem(
     name: str,
     input_bytes_per_sample: int = 0,
     ps_resource: str | None = None,
+    execution: dict[str, Any] | None = None,
 ) -> FitResult:
     """Fit every coefficient of a problem file from `measurements` (columns :data:`COLUMNS`).
 
     Resource types come from `cluster` (price, max_instances, io bandwidth) for those that have
     layer measurements; bandwidth and latency are replaced by the transfer fits where measured.
+    `execution` (the job's mode, micro_batches, max_in_flight, batches_ahead, ps_hosting) adds the
+    problem's `runtime` section (DESIGN.md §3b), its terms fitted from the PS and probe rows.
     """
     missing = [c for c in COLUMNS if c not in measurements.columns]
     if missing:
@@ -329,7 +332,6 @@ def fit_problem(
     if not sel.empty and sel["ms"].sum() > 0:
         runtime["forward_fraction"] = _round(float(sel["forward_ms"].sum() / sel["ms"].sum()))
 
-    quality = pd.DataFrame(rows)
     for row in rows:
         if row.get("flags"):
             flags.append(
@@ -353,9 +355,64 @@ def fit_problem(
     }
     if hosts:
         problem["hosts"] = hosts
+    if execution is not None:
+        problem["runtime"] = _runtime_terms(problem, measurements, execution, rows)
+    quality = pd.DataFrame(rows)
     return FitResult(
         problem=problem, quality=quality, measurements=measurements, flags=flags, runtime=runtime
     )
+
+
+def _runtime_terms(
+    problem: dict[str, Any],
+    measurements: pd.DataFrame,
+    execution: dict[str, Any],
+    quality: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The problem's `runtime` section: the job's execution, the PS wait per row, and what the runtime
+    probes (probes.py) took beyond what the fitted layers, bytes and input explain: the hosted PS per
+    row (the one-stage probe), then each callee type's call (the two-stage probes, one call a batch)."""
+    from heterps_ray.costmodel import CostModel, problem_from_dict
+
+    terms: dict[str, Any] = {**execution}
+    sel = measurements[measurements["kind"] == "ps"]
+    if not sel.empty:  # a DataWorker waits for its pull, and its next pull queues behind its push
+        terms["ps_wait_ms_per_row"] = _round(float(sel["ms"].sum() / (sel["rows"] * sel["calls"]).sum()))
+    probes = measurements[measurements["kind"] == "probe"]
+    if probes.empty:
+        return terms
+    layer_names = [layer["name"] for layer in problem["layers"]]
+    rows_per_batch = (
+        sum(layer["sparse_rows_per_sample"] for layer in problem["layers"]) * problem["batch_size"]
+    )
+    fitted = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0), "ps_hosted_ms_per_row": 0.0,
+              "call_ms": {r["name"]: 0.0 for r in problem["resources"]}}  # fmt: skip
+
+    def explained_ms(row: Any) -> float:
+        split = layer_names.index(row["layer"]) + 1
+        caller = row["peer"] or row["resource"]
+        assignment = [caller] * split + [row["resource"]] * (len(layer_names) - split)
+        model = CostModel(problem_from_dict({**problem, "runtime": fitted}))
+        stages = len(model.split_stages(assignment))
+        limits = model.evaluate(assignment, [1] * stages, 1).runtime
+        assert limits is not None
+        return limits.loop_ms
+
+    for _, row in probes[probes["peer"] == ""].iterrows():
+        explained = explained_ms(row)
+        if rows_per_batch > 0:
+            fitted["ps_hosted_ms_per_row"] = max(row["ms"] - explained, 0.0) / rows_per_batch
+        quality.append({"what": "probe", "layer": row["layer"], "resource": row["resource"], "fixed_ms": row["ms"],
+                        "slope_ms": explained, "flags": ""})  # fmt: skip
+    for _, row in probes[probes["peer"] != ""].iterrows():
+        explained = explained_ms(row)
+        fitted["call_ms"][row["resource"]] = max(row["ms"] - explained, 0.0)
+        quality.append({"what": "probe", "layer": row["layer"], "resource": f"{row['peer']}->{row['resource']}",
+                        "fixed_ms": row["ms"], "slope_ms": explained, "flags": ""})  # fmt: skip
+    measured = set(probes.loc[probes["peer"] != "", "resource"])
+    terms["ps_hosted_ms_per_row"] = _round(fitted["ps_hosted_ms_per_row"])
+    terms["call_ms"] = {name: _round(ms) for name, ms in fitted["call_ms"].items() if name in measured}
+    return terms
 
 
 def simulator_options(runtime: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
+from heterps_ray.profiling.probes import PROBE_STEPS, probe_plans, run_probe
 
 _BYTES_PER_MB = 1 << 20
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
@@ -66,6 +67,8 @@ class ProfileSettings:
     """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
     call_count: int = 60
     """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
+    probe_steps: int = PROBE_STEPS
+    """batches each runtime probe trains (probes.py; 0: none, the problem gets no call terms)"""
     seed: int = 0
     progress: bool = True
 
@@ -84,6 +87,7 @@ class ProfileSettings:
             "host_window_s": 0.3,
             "host_calls": 50,
             "call_count": 20,
+            "probe_steps": 0,
         }
         return cls(**{**fields, **overrides})
 
@@ -383,6 +387,7 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         throughput_min=job.throughput_min,
         name=f"{spec.name} on {job.cluster.name} (profiled)",
         input_bytes_per_sample=spec.input_bytes_per_sample,
+        execution=execution_of(job),
     )
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in runs[0].actors})
@@ -397,6 +402,18 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
     result.problem["notes"] = "\n".join(notes)
     return result
+
+
+def execution_of(job: JobConfig) -> dict[str, Any]:
+    """How the runtime will execute `job` (the problem's `runtime` section, DESIGN.md §3b)."""
+    rt = job.runtime
+    return {
+        "mode": job.mode,
+        "micro_batches": rt.micro_batches,
+        "max_in_flight": rt.max_in_flight,
+        "batches_ahead": rt.batches_ahead if job.mode == "async" else 0,
+        "ps_hosting": rt.ps_hosting,
+    }
 
 
 def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> ProfileRun:
@@ -465,6 +482,8 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
         for group in actors.values():
             for actor in group:
                 ray.kill(actor)
+    if settings.probe_steps:  # after the profiling actors are gone: the probes need the types' slots
+        rows += _probe_runs(job, spec, [t.name for t in present], settings)
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
     # Other processes on the machine inflate (and scatter) every time measured here; say how busy it was.
@@ -473,6 +492,36 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     )
     frame = pd.DataFrame([r.__dict__ for r in rows], columns=list(COLUMNS))
     return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes)
+
+
+def _probe_runs(job: JobConfig, spec: ModelSpec, types: list[str], settings: ProfileSettings) -> list[_Row]:
+    """The runtime probes (probes.py): one row per probe with its steady ms per batch, on the job's
+    data (a synthetic dataset as large as the probes read when the job has none yet)."""
+    import tempfile
+
+    from heterps_ray.data import DEFAULT_EVAL_FRACTION
+
+    layers = [layer.name for layer in spec.layers]
+    scratch = None
+    if not is_dataset(Path(job.data.path)):
+        from heterps_ray.data.synth import synthesize
+
+        scratch = tempfile.TemporaryDirectory(prefix="heterps-probe-")
+        path = Path(scratch.name) / "data"
+        rows = int(settings.probe_steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
+        synthesize(path, rows, seed=settings.seed)
+        job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
+    try:
+        out = []
+        for caller, callee, split in probe_plans(job, layers, types):
+            ms = run_probe(job, layers, caller, callee, split, settings.probe_steps)
+            resource, peer = (callee, caller) if callee else (caller, "")
+            out.append(_Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
+                            ms=ms))  # fmt: skip
+        return out
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
 
 
 def _layer_rounds(

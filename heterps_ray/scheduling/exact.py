@@ -3,6 +3,11 @@
 `brute` enumerates every assignment and provisions each exactly (T^L plans; small problems only).
 `exact` does that up to BRUTE_FORCE_LIMIT assignments and the level search above it.
 
+A problem with runtime terms (DESIGN.md §3b) couples its stages through the DataWorker's loop and the
+shared hosts, which the level search's per-segment DP does not see: `exact` enumerates its
+assignments (up to RUNTIME_BRUTE_LIMIT; the profiler's problems have the cluster's few types), and
+the fastest plan is found the same way.
+
 The level search is exact for any size (tests check it equals brute force). For a target X the
 cheapest cost *rate* R*(X) is a shortest path over stage boundaries: a stage is a segment of
 layers i..j on type t needing k(i,j,t,X) replicas (closed form from Amdahl), and adjacent stages
@@ -48,6 +53,7 @@ _STEP_RTOL = 1e-9  # next level strictly above the last plan's throughput (relat
 DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
 _TOO_MANY_STATES = object()
 BRUTE_FORCE_LIMIT = 256  # assignments; above this `exact` (method "auto") uses the level search
+RUNTIME_BRUTE_LIMIT = 200_000  # assignments `exact` enumerates for a problem with runtime terms
 
 
 def count_assignments(problem: Problem) -> int:
@@ -94,6 +100,22 @@ def brute_force(
         plans_evaluated=n,
         best_throughput=fastest[1].max_throughput,
     )
+
+
+def _enumerated_fastest(model: CostModel) -> tuple[float, tuple[int, ...] | None]:
+    """fastest_plan by enumeration (problems with runtime terms)."""
+    n = count_assignments(model.problem)
+    if n > RUNTIME_BRUTE_LIMIT:
+        raise ConfigError(
+            None, "layers", f"at most {RUNTIME_BRUTE_LIMIT:,} assignments for a problem with runtime terms", n
+        )
+    choices = [np.flatnonzero(model.runnable[li]).tolist() for li in range(model.num_layers)]
+    best: tuple[float, tuple[int, ...] | None] = (0.0, None)
+    for assignment in itertools.product(*choices):
+        reached = provision_counts(model, assignment).max_throughput
+        if reached > best[0]:
+            best = (reached, tuple(int(t) for t in assignment))
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,6 +589,8 @@ def max_reachable_throughput(problem: Problem, relaxed: bool = False) -> float:
     """Highest throughput any plan of `problem` reaches within its max_instances (samples/s).
 
     relaxed: a fast upper bound that checks each stage against its type's limit, not their sum."""
+    if problem.runtime is not None:
+        return _enumerated_fastest(CostModel(problem))[0]
     return _LevelSearch(CostModel(problem)).max_throughput(relaxed)
 
 
@@ -577,6 +601,8 @@ def fastest_plan(
     reaches it); (0.0, None) when no plan runs at all. One search decides both, so a scheduler that
     reports "infeasible" with this throughput cannot contradict itself. `known`: a throughput some
     plan is known to reach (speeds the search up, same answer)."""
+    if problem.runtime is not None:
+        return _enumerated_fastest(model or CostModel(problem))
     search = _LevelSearch(model or CostModel(problem))
     bound = search.max_throughput(relaxed=True, known=known)
     theta_max = search.max_throughput(known=known, bound=bound) if bound > 0.0 else 0.0
@@ -588,6 +614,9 @@ def throughput_bounds(problem: Problem) -> tuple[float, float]:
     """(lower, upper) bounds on the highest reachable throughput, fast (no ILP): the upper from the
     relaxed limits, the lower from provisioning the relaxed fastest plan's assignment exactly."""
     model = CostModel(problem)
+    if problem.runtime is not None:
+        fastest = _enumerated_fastest(model)[0]
+        return fastest, fastest
     search = _LevelSearch(model)
     upper = search.max_throughput(relaxed=True)
     level = search.solve(upper, relaxed=True) if upper > 0.0 else None
@@ -611,11 +640,23 @@ class ExactScheduler(Scheduler):
         self.method = method
 
     def schedule(self, problem: Problem) -> Plan:
-        use_brute = self.method == "brute" or (
-            self.method == "auto" and count_assignments(problem) <= BRUTE_FORCE_LIMIT
+        runtime = problem.runtime is not None
+        if runtime and self.method == "levels":
+            raise ConfigError(
+                None,
+                "method",
+                "auto or brute for a problem with runtime terms (the level search "
+                "covers the base model only)",
+                self.method,
+            )
+        use_brute = (
+            self.method == "brute"
+            or runtime
+            or (self.method == "auto" and count_assignments(problem) <= BRUTE_FORCE_LIMIT)
         )
         if use_brute:
-            plan = brute_force(problem, scheduler=self.name)
+            limit = RUNTIME_BRUTE_LIMIT if runtime else 1_000_000
+            plan = brute_force(problem, scheduler=self.name, limit=limit)
             return replace(plan, extra={**plan.extra, "method": "brute"})
         return replace(level_search(problem), scheduler=self.name)
 

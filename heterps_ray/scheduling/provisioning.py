@@ -2,9 +2,15 @@
 fixed assignment. Shared by every scheduler.
 
 The pipeline throughput of an optimal plan equals one of the finite candidates
-{theta_s(k)} U {theta_ps(m)}. For each candidate X we take the smallest counts that reach X, check
-max_instances, and keep the lowest monetary cost R * N / Theta / 3600 among plans at or above the
-floor. Cost, not cost rate: a faster plan with more replicas can cost less in total.
+{theta_s(k)} U {theta_ps(m)} (U the cap no count changes, with runtime terms). For each candidate X we
+take the smallest counts that reach X, check max_instances, and keep the lowest monetary cost
+R * N / Theta / 3600 among plans at or above the floor. Cost, not cost rate: a faster plan with more
+replicas can cost less in total.
+
+With runtime terms and ``ps_hosting: auto`` a plan with one replica everywhere hosts its shards in
+the DataWorker and is priced so; the tables describe shards on actors, which needs some stage
+replicated: a level whose smallest counts are all ones is reached instead by one stage at two
+replicas (each stage tried) or by the hosted plan (each shard count tried), all priced by the model.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.analytic import FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.analytic import FLOOR_RTOL, S_PER_HOUR
 from heterps_ray.scheduling.plan import Plan
 
 _REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
@@ -48,18 +54,16 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
         return fallback
 
     # theta_s(k) for k = 1..K_s (the type's instances, less the PS shards' minimum on it)
-    tables = []
-    for st in stages:
-        k_max = int(cap[st.type]) - (m_min if st.type == ps_t else 0)
-        if k_max < 1:
-            return fallback
-        k = np.arange(1, k_max + 1)
-        with np.errstate(divide="ignore"):
-            tables.append(MS_PER_S * model.batch_size / st.tau_ms / ((1.0 - st.alpha) + st.alpha / k))
+    k_max = [int(cap[st.type]) - (m_min if st.type == ps_t else 0) for st in stages]
+    if min(k_max) < 1:
+        return fallback
+    tables, ceiling = model.throughput_tables(stages, k_max)
     shards = np.arange(m_min, int(cap[ps_t]) + 1)
     ps_table = np.array([model.ps_throughput(int(m)) for m in shards])
 
-    candidates = np.unique(np.concatenate(tables + [ps_table]))
+    candidates = np.unique(
+        np.concatenate(tables + [ps_table] + ([[ceiling]] if math.isfinite(ceiling) else []))
+    )
     target = candidates * (1.0 - _REACH_RTOL)
     reachable = np.ones(len(candidates), dtype=bool)
     usage = np.zeros((len(candidates), model.num_types), dtype=np.int64)
@@ -82,9 +86,21 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
         idx = np.zeros(len(candidates), dtype=np.int64)  # the PS never limits: its minimum suffices
     m = shards[idx]
     usage[:, ps_t] += m
-    throughput = np.minimum(throughput, ps_table[idx])
+    throughput = np.minimum(np.minimum(throughput, ps_table[idx]), ceiling)
     cost_rate += m * model.price[ps_t]
     reachable &= (usage <= cap).all(axis=1)
+    problem = model.problem
+    if problem.runtime is not None and problem.runtime.ps_hosting == "auto":
+        ones = (counts == 1).all(axis=0)
+        extra = _hosted_and_bumped(model, a, counts[:, ones & reachable].T, m[ones & reachable], shards)
+        reachable &= ~ones
+        if extra:
+            ev = [model.evaluate(a, list(k), int(n)) for k, n in extra]
+            counts = np.concatenate([counts, np.array([k for k, _ in extra]).T], axis=1)
+            m = np.concatenate([m, [n for _, n in extra]])
+            throughput = np.concatenate([throughput, [e.throughput for e in ev]])
+            cost_rate = np.concatenate([cost_rate, [e.cost_rate for e in ev]])
+            reachable = np.concatenate([reachable, [e.available for e in ev]])
     if not reachable.any():
         return fallback
 
@@ -108,6 +124,19 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
         feasible=bool(ok[i]),
         max_throughput=max_throughput,
     )
+
+
+def _hosted_and_bumped(
+    model: CostModel, assignment: list[int], ones: np.ndarray, shards_at: np.ndarray, shards: np.ndarray
+) -> list[tuple[tuple[int, ...], int]]:
+    """The plans that replace all-ones counts on actor shards: the hosted plan at every shard count,
+    and, for each level that asked for all ones, each stage bumped to two replicas."""
+    S = len(model.split_stages(assignment))
+    plans = {((1,) * S, int(n)) for n in shards}
+    for n in np.unique(shards_at):
+        for j in range(S):
+            plans.add((tuple(2 if i == j else 1 for i in range(S)), int(n)))
+    return sorted(plans)
 
 
 def provision(

@@ -1,0 +1,195 @@
+"""The runtime terms of the cost model (DESIGN.md §3b, costmodel/runtime_terms.py): the formulas by
+hand on a small problem, and `exact` still exact when a problem uses them (against enumerating every
+assignment and every count)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from heterps_ray.costmodel import CostModel, as_executed, problem_from_dict
+from heterps_ray.errors import ConfigError
+from heterps_ray.scheduling import get_scheduler
+from heterps_ray.scheduling.provisioning import provision_counts
+
+B = 100
+GBPS = 125_000.0  # bytes per ms per Gbit/s
+
+
+def _problem(runtime: dict | None = None, hosts: list | None = None, floor: float = 0.0) -> dict:
+    data = {
+        "name": "runtime terms",
+        "batch_size": B,
+        "samples": 1e6,
+        "throughput_min": floor,
+        "input_bytes_per_sample": 125,  # 12,500 bytes a batch: 0.1 ms at 1 Gbit/s
+        "resources": [
+            {"name": "a", "price_per_hour": 1.0, "max_instances": 3, "bandwidth_gbps": 1.0, "latency_ms": 0.5,
+             "threads": 1},
+            {"name": "b", "price_per_hour": 3.0, "max_instances": 2, "bandwidth_gbps": 2.0, "latency_ms": 0.25,
+             "threads": 2},
+        ],
+        "ps": {"resource": "a", "rows_per_second_per_shard": 1e6},
+        "layers": [
+            {"name": "emb", "out_bytes_per_sample": 250, "sparse_rows_per_sample": 10, "parallel_fraction": 0.5,
+             "time_ms": {"a": {"fixed": 1.0, "per_sample": 0.01}, "b": {"fixed": 2.0, "per_sample": 0.01}}},
+            {"name": "fc", "out_bytes_per_sample": 125, "parallel_fraction": 1.0,
+             "time_ms": {"a": {"fixed": 1.0, "per_sample": 0.05}, "b": {"fixed": 0.5, "per_sample": 0.01}}},
+            {"name": "out", "out_bytes_per_sample": 4, "parallel_fraction": 1.0,
+             "time_ms": {"a": {"fixed": 0.5, "per_sample": 0.0}, "b": {"fixed": 0.5, "per_sample": 0.0}}},
+        ],
+    }  # fmt: skip
+    if runtime is not None:
+        data["runtime"] = runtime
+    if hosts is not None:
+        data["hosts"] = hosts
+    return data
+
+
+TERMS = {"call_ms": {"a": 1.0, "b": 2.0}, "ps_wait_ms_per_row": 0.001, "ps_hosted_ms_per_row": 0.0005}
+
+
+def _model(**runtime) -> CostModel:
+    return CostModel(problem_from_dict(_problem({**TERMS, **runtime})))
+
+
+def test_sync_two_stages_wait_for_each_other_with_calls_bytes_input_and_hosted_ps():
+    model = _model(mode="sync")
+    e = model.evaluate(["a", "b", "b"], [1, 1], 1)
+    # stage 0 on a: emb 1 + 0.01*100, input 0.1, its side of the boundary 2*250*100 bytes at 1 Gbit/s,
+    # the hosted PS 10 rows * 100 * 0.0005
+    busy0 = 2.0 + 0.1 + 2 * 250 * B / GBPS + 10 * B * 0.0005
+    # stage 1 on b: fc 0.5 + 1, out 0.5, one call (forward + loss + backward) 2 ms, its side at 2 Gbit/s
+    busy1 = 2.0 + 2.0 + 2 * 250 * B / (2 * GBPS)
+    assert e.runtime is not None and e.runtime.ps_hosted
+    assert e.runtime.stage_ms == pytest.approx((busy0, busy1))
+    assert e.runtime.loop_ms == pytest.approx(busy0 + busy1)
+    assert e.throughput == pytest.approx(1000 * B / (busy0 + busy1))
+    assert e.bound == "loop"
+    # the base model of the same problem pipelines the stages: the slower one alone sets the pace
+    base = CostModel(problem_from_dict(_problem())).evaluate(["a", "b", "b"], [1, 1], 1)
+    assert base.runtime is None and base.throughput > e.throughput
+
+
+def test_a_middle_stage_takes_two_calls_and_both_boundaries():
+    model = _model(mode="sync")
+    e = model.evaluate(["a", "b", "a"], [1, 1, 1], 1)
+    middle = 0.5 + 0.01 * B + 2 * 2.0 + (2 * 250 * B + 2 * 125 * B) / (2 * GBPS)
+    assert e.runtime is not None
+    assert e.runtime.stage_ms[1] == pytest.approx(middle)
+
+
+def test_sync_replicas_add_nothing_and_micro_batches_pay_the_gpipe_bubble():
+    model = _model(mode="sync")
+    one = model.evaluate(["a", "b", "b"], [1, 1], 1)
+    more = model.evaluate(["a", "b", "b"], [1, 2], 1)
+    assert more.throughput < one.throughput  # the shards leave the DataWorker, nothing gains
+    assert more.cost_rate > one.cost_rate
+    k4 = _model(mode="sync", micro_batches=4).evaluate(["a", "b", "b"], [1, 1], 1)
+    assert k4.runtime is not None
+    busy = [ms / 4 for ms in k4.runtime.stage_ms]
+    assert k4.runtime.loop_ms == pytest.approx(sum(busy) + 3 * max(busy))
+
+
+def test_async_overlaps_batches_and_data_workers_until_a_stage_binds():
+    serial = _model(mode="async").evaluate(["a", "b", "b"], [1, 1], 1)
+    ahead = _model(mode="async", batches_ahead=1).evaluate(["a", "b", "b"], [1, 1], 1)
+    assert ahead.runtime is not None and serial.runtime is not None
+    assert ahead.runtime.loop_throughput == pytest.approx(2 * serial.runtime.loop_throughput)
+    assert ahead.throughput == pytest.approx(min(ahead.runtime.stage_throughput))
+    workers = _model(mode="async").evaluate(["a", "b", "b"], [2, 1], 2)
+    assert workers.runtime is not None and not workers.runtime.ps_hosted  # shards on actors: PS waits
+    assert workers.runtime.stage_ms[0] > serial.runtime.stage_ms[0]
+
+
+def test_a_shared_host_caps_the_plan_at_its_free_cores():
+    hosts = [{"name": "box", "cores": 2, "types": ["a", "b"], "background_cores": 0.5, "call_cpu_ms": 1.0}]
+    model = CostModel(problem_from_dict(_problem({**TERMS, "mode": "async", "batches_ahead": 3}, hosts)))
+    e = model.evaluate(["a", "b", "b"], [1, 1], 1)
+    assert e.runtime is not None
+    busy0, busy1 = e.runtime.stage_ms
+    compute1 = 0.5 + 0.01 * B + 0.5
+    work = busy0 + (busy1 - compute1) + 2 * compute1 + 1 * 1.0  # b's compute keeps 2 cores busy
+    assert e.runtime.host_throughput == pytest.approx(1000 * B * 1.5 / work)
+    assert e.throughput == pytest.approx(min(e.runtime.host_throughput, *e.runtime.stage_throughput))
+
+
+def test_batch_evaluation_matches_one_by_one_with_runtime_terms():
+    model = _model(mode="async")
+    a = np.array([[0, 0, 0], [0, 1, 1], [1, 0, 1]])
+    k = np.array([[2, 1, 1], [1, 2, 1], [1, 1, 1]])
+    batch = model.evaluate_batch(a, k, np.array([1, 2, 1]))
+    for i in range(3):
+        stages = len(model.split_stages(a[i]))
+        one = model.evaluate(a[i], k[i, :stages].tolist(), int([1, 2, 1][i]))
+        assert batch.throughput[i] == pytest.approx(one.throughput)
+        assert batch.cost[i] == pytest.approx(one.cost)
+
+
+def _enumerate(model: CostModel) -> tuple[float, float]:
+    """(cheapest feasible cost, highest throughput) over every assignment, count and shard number."""
+    problem = model.problem
+    cheapest, fastest = math.inf, 0.0
+    caps = [r.max_instances for r in problem.resources]
+    for assignment in itertools.product(range(problem.num_types), repeat=problem.num_layers):
+        stages = len(model.split_stages(assignment))
+        for counts in itertools.product(range(1, max(caps) + 1), repeat=stages):
+            for shards in range(1, caps[model.ps_type] + 1):
+                e = model.evaluate(assignment, list(counts), shards)
+                if not (e.runnable and e.available):
+                    continue
+                fastest = max(fastest, e.throughput)
+                if e.meets_floor:
+                    cheapest = min(cheapest, e.cost)
+    return cheapest, fastest
+
+
+@pytest.mark.parametrize(
+    ("runtime", "floor", "hosted"),
+    [
+        ({"mode": "sync"}, 2000.0, "auto"),
+        ({"mode": "async"}, 3000.0, "auto"),
+        ({"mode": "async", "batches_ahead": 2}, 9000.0, "auto"),
+        ({"mode": "async", "micro_batches": 2}, 5000.0, "actors"),
+    ],
+)
+def test_exact_agrees_with_enumerating_every_plan_of_the_runtime_model(runtime, floor, hosted):
+    hosts = [{"name": "box", "cores": 3, "types": ["a", "b"], "call_cpu_ms": 0.3}]
+    data = _problem({**TERMS, **runtime, "ps_hosting": hosted}, hosts, floor=floor)
+    model = CostModel(problem_from_dict(data))
+    cheapest, fastest = _enumerate(model)
+    plan = get_scheduler("exact").schedule(model.problem)
+    assert plan.extra["method"] == "brute"
+    if math.isfinite(cheapest):
+        assert plan.feasible and plan.cost == pytest.approx(cheapest, rel=1e-9)
+    else:
+        assert not plan.feasible
+    assert plan.best_throughput == pytest.approx(fastest, rel=1e-9)
+    # the plan promises what the model says of it, and every other scheduler prices the same way
+    again = model.evaluate(list(plan.assignment), plan.replicas, plan.ps_shards)
+    assert again.throughput == pytest.approx(plan.throughput)
+    for assignment in itertools.product(range(2), repeat=3):
+        counts = provision_counts(model, assignment)
+        if counts.feasible:
+            assert counts.cost >= plan.cost * (1 - 1e-9)
+
+
+def test_the_level_search_refuses_a_problem_with_runtime_terms():
+    problem = problem_from_dict(_problem({**TERMS, "mode": "sync"}))
+    with pytest.raises(ConfigError, match="base model only"):
+        get_scheduler("exact", method="levels").schedule(problem)
+
+
+def test_execution_fields_are_set_and_checked():
+    problem = problem_from_dict(_problem())
+    executed = as_executed(problem, mode="async", batches_ahead=2)
+    assert executed.runtime is not None and executed.runtime.in_flight == 3
+    with pytest.raises(ConfigError, match="runtime.call_ms"):
+        problem_from_dict(_problem({"call_ms": {"gpu": 1.0}}), "p.yaml")
+    with pytest.raises(ConfigError, match="runtime.batches_ahead"):
+        problem_from_dict(_problem({"mode": "sync", "batches_ahead": 1}), "p.yaml")
+    with pytest.raises(ConfigError, match="runtime.micro_batches"):
+        problem_from_dict(_problem({"micro_batches": 3}), "p.yaml")
