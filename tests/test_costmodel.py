@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from heterps_ray.costmodel import CostModel, problem_from_dict
-from heterps_ray.costmodel.analytic import (
+from heterps_ray.costmodel.formulas import (
     boundary_ms,
     input_ms,
     monetary_cost,

@@ -21,63 +21,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterps_ray.costmodel.formulas import (
+    FLOOR_RTOL,
+    S_PER_HOUR,
+    boundary_ms,
+    input_ms,
+    layer_ms,
+    meets_floor,
+    monetary_cost,
+    ps_throughput,
+    stage_throughput,
+)
 from heterps_ray.costmodel.problem import Problem
 from heterps_ray.costmodel.runtime_terms import RuntimeLimits, limits, throughput_tables
-
-BYTES_PER_MS_PER_GBPS = 125_000.0  # 1 Gbit/s = 1e9 bit/s / 8 bit/byte / 1000 ms/s = 125,000 bytes/ms
-MS_PER_S = 1000.0  # ms per second
-S_PER_HOUR = 3600.0  # seconds per hour
-FLOOR_RTOL = 1e-9  # relative slack when comparing a throughput with the floor (float rounding only)
-
-
-# ---------------------------------------------------------------------------------------------
-# The formulas, as plain functions over plain numbers
-
-
-def layer_ms(fixed_ms: float, per_sample_ms: float, batch_size: int) -> float:
-    """c(l,t) = fixed + per_sample * B  (ms per batch, one replica)."""
-    return fixed_ms + per_sample_ms * batch_size
-
-
-def boundary_ms(
-    out_bytes_per_sample: float, batch_size: int, bandwidth_gbps: float, latency_ms: float
-) -> float:
-    """One side's time on a stage boundary: activation forward + gradient back, each with two latencies."""
-    traffic_bytes = 2.0 * out_bytes_per_sample * batch_size
-    return traffic_bytes / (bandwidth_gbps * BYTES_PER_MS_PER_GBPS) + 2.0 * latency_ms
-
-
-def input_ms(input_bytes_per_sample: float, batch_size: int, io_bandwidth_gbps: float) -> float:
-    """The first stage reads its batch at its IO bandwidth (ms)."""
-    return input_bytes_per_sample * batch_size / (io_bandwidth_gbps * BYTES_PER_MS_PER_GBPS)
-
-
-def stage_throughput(batch_size: int, tau_ms: float, alpha: float, replicas: int) -> float:
-    """theta_s(k) = 1000 * B / tau_s / ((1 - alpha) + alpha / k)  (samples/s, Amdahl scaling)."""
-    if tau_ms <= 0.0:
-        return math.inf
-    return MS_PER_S * batch_size / tau_ms / ((1.0 - alpha) + alpha / replicas)
-
-
-def ps_throughput(shards: int, rows_per_second_per_shard: float, rows_per_sample: float) -> float:
-    """theta_ps(m) = m * rows/s per shard / sparse rows per sample (samples/s); inf without sparse rows."""
-    if rows_per_sample <= 0.0:
-        return math.inf
-    return shards * rows_per_second_per_shard / rows_per_sample
-
-
-def monetary_cost(cost_rate_per_hour: float, samples: float, throughput: float) -> float:
-    """$ = R * N / Theta / 3600."""
-    if throughput <= 0.0:
-        return math.inf
-    if math.isinf(throughput):
-        return 0.0
-    return cost_rate_per_hour * samples / throughput / S_PER_HOUR
-
-
-def meets_floor(throughput: float, floor: float) -> bool:
-    return throughput >= floor * (1.0 - FLOOR_RTOL)
-
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -255,9 +211,7 @@ class CostModel:
             return throughput_tables(self, spans, [s.alpha for s in stages], max_replicas)
         tables = []
         for st, k_max in zip(stages, max_replicas, strict=True):
-            k = np.arange(1, k_max + 1)
-            with np.errstate(divide="ignore"):
-                tables.append(MS_PER_S * self.batch_size / st.tau_ms / ((1.0 - st.alpha) + st.alpha / k))
+            tables.append(stage_throughput(self.batch_size, st.tau_ms, st.alpha, np.arange(1, k_max + 1)))
         return tables, math.inf
 
     def segment_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -387,7 +341,7 @@ class CostModel:
         with np.errstate(divide="ignore", invalid="ignore"):
             alpha = np.where(compute > 0.0, weighted / compute, 1.0)
             k_safe = np.maximum(k, 1)
-            theta = MS_PER_S * self.batch_size / tau / ((1.0 - alpha) + alpha / k_safe)
+            theta = stage_throughput(self.batch_size, tau, alpha, k_safe)
         theta = np.where(valid, np.where(k >= 1, theta, 0.0), np.inf)
         if self.rows_per_sample > 0.0:
             theta_ps = m * self.ps_rows_per_second / self.rows_per_sample

@@ -37,13 +37,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from heterps_ray.costmodel.formulas import BYTES_PER_MS_PER_GBPS, MS_PER_S, stage_throughput
 from heterps_ray.costmodel.problem import Problem, RuntimeTerms
 
 if TYPE_CHECKING:
     from heterps_ray.costmodel.analytic import CostModel
-
-BYTES_PER_MS_PER_GBPS = 125_000.0  # as DESIGN.md §3
-MS_PER_S = 1000.0
 
 
 @dataclass(frozen=True)
@@ -182,10 +180,7 @@ def _loop_throughput(model: CostModel, busy: Sequence[float], data_workers: int)
 
 def _stage_throughput(model: CostModel, busy_ms: float, alpha: float, replicas: int) -> float:
     """θ_j(k) of DESIGN.md §3 with the stage's runtime busy time."""
-    if busy_ms <= 0:
-        return math.inf
-    K = _terms(model).micro_batches
-    return MS_PER_S * model.batch_size / (K * busy_ms) / ((1.0 - alpha) + alpha / replicas)
+    return stage_throughput(model.batch_size, _terms(model).micro_batches * busy_ms, alpha, replicas)
 
 
 def _host_throughput(

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.analytic import FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR, stage_throughput
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.plan import Plan
@@ -168,7 +168,7 @@ class _LevelSearch:
 
     def _theta(self, k: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
-            return MS_PER_S * self.model.batch_size / self.tau / ((1.0 - self.alpha) + self.alpha / k)
+            return stage_throughput(self.model.batch_size, self.tau, self.alpha, k)
 
     def solve(self, target: float, relaxed: bool = False) -> _Level | None:
         """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
@@ -462,7 +462,7 @@ class _LevelSearch:
             replicas.append(kk)
             rate += kk * float(model.price[t])
             tau, alpha = float(self.tau[i, j, t]), float(self.alpha[i, j, t])
-            throughput = min(throughput, MS_PER_S * model.batch_size / tau / ((1.0 - alpha) + alpha / kk))
+            throughput = min(throughput, stage_throughput(model.batch_size, tau, alpha, kk))
         return _Level(rate, tuple(assignment), tuple(replicas), m, throughput)
 
     # -- all levels ----------------------------------------------------------------------------

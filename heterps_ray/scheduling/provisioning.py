@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.analytic import FLOOR_RTOL, S_PER_HOUR
+from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
 from heterps_ray.scheduling.plan import Plan
 
 _REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding

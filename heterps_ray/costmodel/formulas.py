@@ -1,0 +1,70 @@
+"""The formulas of DESIGN.md §3 as plain functions over plain numbers (or numpy arrays, elementwise):
+one place for each, used by the cost model, its runtime terms, provisioning and the exact search."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+BYTES_PER_MS_PER_GBPS = 125_000.0  # 1 Gbit/s = 1e9 bit/s / 8 bit/byte / 1000 ms/s = 125,000 bytes/ms
+MS_PER_S = 1000.0  # ms per second
+S_PER_HOUR = 3600.0  # seconds per hour
+FLOOR_RTOL = 1e-9  # relative slack when comparing a throughput with the floor (float rounding only)
+
+
+# ---------------------------------------------------------------------------------------------
+# The formulas, as plain functions over plain numbers
+
+
+def layer_ms(fixed_ms: float, per_sample_ms: float, batch_size: int) -> float:
+    """c(l,t) = fixed + per_sample * B  (ms per batch, one replica)."""
+    return fixed_ms + per_sample_ms * batch_size
+
+
+def boundary_ms(
+    out_bytes_per_sample: float, batch_size: int, bandwidth_gbps: float, latency_ms: float
+) -> float:
+    """One side's time on a stage boundary: activation forward + gradient back, each with two latencies."""
+    traffic_bytes = 2.0 * out_bytes_per_sample * batch_size
+    return traffic_bytes / (bandwidth_gbps * BYTES_PER_MS_PER_GBPS) + 2.0 * latency_ms
+
+
+def input_ms(input_bytes_per_sample: float, batch_size: int, io_bandwidth_gbps: float) -> float:
+    """The first stage reads its batch at its IO bandwidth (ms)."""
+    return input_bytes_per_sample * batch_size / (io_bandwidth_gbps * BYTES_PER_MS_PER_GBPS)
+
+
+def stage_throughput(batch_size: float, tau_ms: Any, alpha: Any, replicas: Any) -> Any:
+    """theta_s(k) = 1000 * B / tau_s / ((1 - alpha) + alpha / k)  (samples/s, Amdahl scaling; inf for
+    no time). Floats in, a float out; arrays in, an array out."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        theta = (
+            MS_PER_S
+            * batch_size
+            / np.asarray(tau_ms, dtype=np.float64)
+            / ((1.0 - np.asarray(alpha)) + np.asarray(alpha) / np.asarray(replicas))
+        )
+    theta = np.where(np.asarray(tau_ms) <= 0.0, np.inf, theta)
+    return float(theta) if theta.ndim == 0 else theta
+
+
+def ps_throughput(shards: int, rows_per_second_per_shard: float, rows_per_sample: float) -> float:
+    """theta_ps(m) = m * rows/s per shard / sparse rows per sample (samples/s); inf without sparse rows."""
+    if rows_per_sample <= 0.0:
+        return math.inf
+    return shards * rows_per_second_per_shard / rows_per_sample
+
+
+def monetary_cost(cost_rate_per_hour: float, samples: float, throughput: float) -> float:
+    """$ = R * N / Theta / 3600."""
+    if throughput <= 0.0:
+        return math.inf
+    if math.isinf(throughput):
+        return 0.0
+    return cost_rate_per_hour * samples / throughput / S_PER_HOUR
+
+
+def meets_floor(throughput: float, floor: float) -> bool:
+    return throughput >= floor * (1.0 - FLOOR_RTOL)
