@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -115,9 +115,9 @@ def throughput_tables(
         if terms.mode == "sync":
             table = np.full(len(k), _stage_throughput(model, ms, a, 1))
         else:
-            table = np.array([_stage_throughput(model, ms, a, int(n)) for n in k])
+            table = np.asarray(_stage_throughput(model, ms, a, k))
             if j == 0:
-                table = np.minimum(table, [_loop_throughput(model, busy, int(n)) for n in k])
+                table = np.minimum(table, k * _loop_throughput(model, busy, 1))
         tables.append(table)
     cap = host if terms.mode == "async" else min(host, _loop_throughput(model, busy, 1))
     return tables, cap
@@ -178,7 +178,7 @@ def _loop_throughput(model: CostModel, busy: Sequence[float], data_workers: int)
     return data_workers * MS_PER_S * model.batch_size / loop_ms
 
 
-def _stage_throughput(model: CostModel, busy_ms: float, alpha: float, replicas: int) -> float:
+def _stage_throughput(model: CostModel, busy_ms: float, alpha: float, replicas: Any) -> Any:
     """θ_j(k) of DESIGN.md §3 with the stage's runtime busy time."""
     return stage_throughput(model.batch_size, _terms(model).micro_batches * busy_ms, alpha, replicas)
 
