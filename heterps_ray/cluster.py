@@ -33,9 +33,11 @@ def connect(
     *,
     dashboard: bool = False,
     dashboard_host: str = DASHBOARD_HOST,
+    all_types: bool = True,
 ) -> bool:
     """Make sure Ray is initialised and declares every resource type of `cluster` (ConfigError if
-    not); returns True when this call started Ray (then the caller shuts it down)."""
+    not; with ``all_types=False`` at least one, the others are reported: an elastic run uses them
+    when they join); returns True when this call started Ray (then the caller shuts it down)."""
     import ray
 
     started = not ray.is_initialized()
@@ -45,7 +47,7 @@ def connect(
             _keep_token_auth()
         ray.init(**init_kwargs(cluster, address, dashboard=dashboard, dashboard_host=dashboard_host))
     if cluster is not None:
-        _check_resource_types(cluster, started)
+        _check_resource_types(cluster, started, all_types)
     return started
 
 
@@ -87,11 +89,18 @@ def _keep_token_auth() -> None:
         log.warning("%s=%s: the embedded Ray runs without token authentication", AUTH_MODE_VAR, mode)
 
 
-def _check_resource_types(cluster: ClusterConfig, started: bool) -> None:
+def _check_resource_types(cluster: ClusterConfig, started: bool, all_types: bool = True) -> None:
     import ray
 
     have = ray.cluster_resources()
     missing = [t.name for t in cluster.resource_types if have.get(t.name, 0) < 1]
+    if missing and not all_types and len(missing) < len(cluster.resource_types):
+        log.warning(
+            "the Ray cluster lacks resource type(s) %s now: planning without them; one that joins "
+            "later is profiled then and the run re-plans",
+            missing,
+        )
+        return
     if missing:
         if started:
             ray.shutdown()

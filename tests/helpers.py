@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+
+import psutil
 
 from heterps_ray.config import JobConfig, load_cluster
 
@@ -41,3 +49,112 @@ def tiny_sync_job(name: str, dataset: Path, output: Path, checkpoint_every: int 
             "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": checkpoint_every},
         }
     )
+
+
+class LocalRayCluster:
+    """A real multi-node Ray on this machine: a `ray start --head` through scripts/ray_cluster.sh with
+    the types of `head_cluster` declared, plus worker nodes, each a `ray start` with a temp dir of its
+    own (Ray's socket paths live under it, so it is short) and the resources it is given. Stops only its
+    own processes (never `ray stop`, which ends every Ray on the machine). Token authentication on."""
+
+    def __init__(self, head_cluster: Path, num_cpus: int = 2):
+        self.head_cluster = head_cluster
+        self.head_tmp = tempfile.mkdtemp(prefix="hps_h_", dir="/tmp")
+        self.head_port, dashboard_port = free_ports(2)
+        self.address = f"127.0.0.1:{self.head_port}"
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.env.update(
+            RAY_TMP=self.head_tmp,
+            HEAD_PORT=str(self.head_port),
+            DASHBOARD_PORT=str(dashboard_port),
+            NUM_CPUS=str(num_cpus),
+            RAY_AUTH_MODE="token",  # the head keeps token authentication on; nodes and drivers use it
+        )
+        self.nodes: list[str] = []  # temp dirs of the worker nodes started
+
+    def start(self) -> LocalRayCluster:
+        started = subprocess.run(
+            [str(REPO / "scripts" / "ray_cluster.sh"), "start", str(self.head_cluster)],
+            cwd=REPO, env=self.env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert started.returncode == 0, started.stdout + started.stderr
+        return self
+
+    def add_node(self, resources: dict[str, float], num_cpus: int = 1) -> str:
+        """Start a worker node declaring `resources`; returns its temp dir (for :meth:`stop_node`)."""
+        node_tmp = tempfile.mkdtemp(prefix="hps_w_", dir="/tmp")
+        self.nodes.append(node_tmp)
+        ports = [str(p) for p in free_ports(4)]
+        node = subprocess.run(
+            [str(REPO / ".venv" / "bin" / "ray"), "start", "--address", self.address,
+             "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus), "--resources", json.dumps(resources),
+             "--temp-dir", node_tmp, "--dashboard-agent-listen-port", ports[0], "--dashboard-agent-grpc-port",
+             ports[1], "--runtime-env-agent-port", ports[2], "--metrics-export-port", ports[3],
+             "--disable-usage-stats"],
+            cwd=REPO, env=self.env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert node.returncode == 0, node.stdout + node.stderr
+        return node_tmp
+
+    def node_ids(self) -> dict[str, list[str]]:
+        """Resource name -> the ids of the live nodes that declare it (asked of the cluster by a driver)."""
+        script = (
+            f"import json, ray; ray.init(address={self.address!r}, log_to_driver=False); "
+            "print(json.dumps([[n['NodeID'], sorted(n['Resources'])] for n in ray.nodes() if n['Alive']]))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        ids: dict[str, list[str]] = {}
+        for node_id, names in json.loads(out.stdout.strip().splitlines()[-1]):
+            for name in names:
+                ids.setdefault(name, []).append(node_id)
+        return ids
+
+    def stop_node(self, node_tmp: str) -> int:
+        """SIGKILL the processes of the node whose temp dir is `node_tmp`, and their children, as a lost
+        machine would go. Returns how many there were."""
+        marks = (f"{node_tmp}/session_", f"--temp-dir={node_tmp}", f"--temp-dir {node_tmp}")
+        roots = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+            except psutil.NoSuchProcess:
+                continue
+            if any(m in cmd for m in marks) and p.pid != os.getpid():
+                roots.append(p)
+        procs = {}
+        for r in roots:
+            try:
+                procs.update({c.pid: c for c in [r, *r.children(recursive=True)]})
+            except psutil.NoSuchProcess:
+                continue
+        for p in procs.values():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(procs.values()), timeout=10)
+        return len(procs)
+
+    def close(self) -> None:
+        for node_tmp in self.nodes:
+            self.stop_node(node_tmp)
+        subprocess.run(
+            [str(REPO / "scripts" / "ray_cluster.sh"), "stop"],
+            cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        for folder in [self.head_tmp, *self.nodes]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

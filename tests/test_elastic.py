@@ -1,11 +1,11 @@
 """Elastic training: a run resumes from a checkpoint under a different plan (other stage split, other
 PS shard count) with the same model as an undisturbed run, and `heterps run` on a real two-node
-`ray start` cluster re-plans and finishes when the node holding a resource type is stopped mid-run."""
+`ray start` cluster re-plans and finishes when the node holding a resource type is stopped mid-run;
+on the same two-node setup a DataWorker on the second node reads the dataset from shared storage."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import yaml
-from helpers import TINY_BATCH, TINY_MODEL, free_ports, tiny_sync_job
+from helpers import TINY_BATCH, TINY_MODEL, LocalRayCluster, tiny_sync_job
 
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import load_problem
@@ -29,7 +28,6 @@ from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"
-SCRIPT = REPO / "scripts" / "ray_cluster.sh"
 MODEL, BATCH = TINY_MODEL, TINY_BATCH
 TOTAL, STOP = 12, 6
 
@@ -51,6 +49,26 @@ def test_change_reason_and_restricted_problem_keep_the_other_profiles():
     assert local.hosts and set(local.hosts[0].types) == {"cpu_small", "cpu_big"}
     alone = restrict_problem(local, ["cpu_small"])
     assert alone.hosts is not None and list(alone.hosts[0].types) == ["cpu_small"]
+
+
+def test_an_elastic_run_starts_without_a_declared_type_that_a_plain_command_requires(ray_local, caplog):
+    """`heterps run` connects with all_types=False: a type the Ray cluster lacks now is reported (it may
+    join later); every other command refuses it, and a cluster with none of the types is refused."""
+    from heterps_ray.cluster import connect
+    from heterps_ray.config import ClusterConfig
+    from heterps_ray.errors import ConfigError
+
+    raw = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    later = {**raw["resource_types"][1], "name": "cpu_later"}  # the session's Ray does not declare it
+    cluster = ClusterConfig.model_validate({**raw, "resource_types": [*raw["resource_types"], later]})
+    with caplog.at_level("WARNING", logger="heterps_ray.cluster"):
+        assert connect(cluster, all_types=False) is False  # Ray was running: not started here
+    assert "lacks resource type(s) ['cpu_later'] now" in caplog.text
+    with pytest.raises(ConfigError, match=r"it lacks \['cpu_later'\]"):
+        connect(cluster)
+    alone = ClusterConfig.model_validate({**raw, "resource_types": [later], "ps": {"resource": "cpu_later"}})
+    with pytest.raises(ConfigError, match=r"it lacks \['cpu_later'\]"):
+        connect(alone, all_types=False)
 
 
 @pytest.fixture(scope="module")
@@ -91,34 +109,7 @@ def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(ray
     np.testing.assert_allclose(sb["accumulators"], sa["accumulators"], rtol=0, atol=1e-6)
 
 
-# -- a real second node that leaves ---------------------------------------------------------------
-
-
-def _stop_node(ray_tmp: str) -> int:
-    """End the processes of the node whose temp dir is `ray_tmp`, and their children (never `ray
-    stop`, which ends every Ray on the machine). Returns how many there were."""
-    marks = (f"{ray_tmp}/session_", f"--temp-dir={ray_tmp}", f"--temp-dir {ray_tmp}")
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except psutil.NoSuchProcess:
-            continue
-        if any(m in cmd for m in marks) and p.pid != os.getpid():
-            roots.append(p)
-    procs = {}
-    for r in roots:
-        try:
-            procs.update({c.pid: c for c in [r, *r.children(recursive=True)]})
-        except psutil.NoSuchProcess:
-            continue
-    for p in procs.values():  # SIGKILL: the node crashes, as a lost machine would
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(procs.values()), timeout=10)
-    return len(procs)
+# -- real second nodes: one that leaves, one a DataWorker reads the shared dataset on ---------------
 
 
 def _cluster_files(folder: Path) -> tuple[Path, Path]:
@@ -137,13 +128,7 @@ def _cluster_files(folder: Path) -> tuple[Path, Path]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
-    head_tmp = tempfile.mkdtemp(prefix="hps_h_", dir="/tmp")  # short: Ray's socket paths live under it
-    node_tmp = tempfile.mkdtemp(prefix="hps_w_", dir="/tmp")
     work = Path(tempfile.mkdtemp(prefix="hps_elastic_"))
-    head_port, dashboard_port, *agent_ports = free_ports(6)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMP=head_tmp, HEAD_PORT=str(head_port), DASHBOARD_PORT=str(dashboard_port), NUM_CPUS="2")
-    env["RAY_AUTH_MODE"] = "token"  # the head keeps token authentication on; the node and driver use it
     job_cluster, head_cluster = _cluster_files(work)
     steps = 1200
     job = {
@@ -164,67 +149,15 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     out = work / "out"
     runner = None
+    cluster = LocalRayCluster(head_cluster)
     try:
-        started = subprocess.run(
-            [str(SCRIPT), "start", str(head_cluster)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert started.returncode == 0, started.stdout + started.stderr
-        node = subprocess.run(
-            [
-                str(REPO / ".venv" / "bin" / "ray"),
-                "start",
-                "--address",
-                f"127.0.0.1:{head_port}",
-                "--node-ip-address",
-                "127.0.0.1",
-                "--num-cpus",
-                "1",
-                "--resources",
-                json.dumps({"cpu_big": 2}),
-                "--temp-dir",
-                node_tmp,
-                "--dashboard-agent-listen-port",
-                str(agent_ports[0]),
-                "--dashboard-agent-grpc-port",
-                str(agent_ports[1]),
-                "--runtime-env-agent-port",
-                str(agent_ports[2]),
-                "--metrics-export-port",
-                str(agent_ports[3]),
-                "--disable-usage-stats",
-            ],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert node.returncode == 0, node.stdout + node.stderr
+        cluster.start()
+        node_tmp = cluster.add_node({"cpu_big": 2})
         runner = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "heterps_ray",
-                "run",
-                str(work / "job.yaml"),
-                "--address",
-                f"127.0.0.1:{head_port}",
-                "--steps",
-                str(steps),
-                "--quick-profile",
-                "--no-progress",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+            [sys.executable, "-m", "heterps_ray", "run", str(work / "job.yaml"), "--address", cluster.address,
+             "--steps", str(steps), "--quick-profile", "--no-progress"],
+            cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
         deadline = time.monotonic() + 600
         while not list((out / "checkpoints").glob("step-*")) and runner.poll() is None:
             assert time.monotonic() < deadline, "training never wrote a checkpoint"
@@ -232,7 +165,7 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         assert runner.poll() is None, runner.communicate()[0]
         first_plan = json.loads((out / "plan.json").read_text())
         assert "cpu_big" in first_plan["assignment"], first_plan  # else stopping the node changes nothing
-        assert _stop_node(node_tmp) > 0
+        assert cluster.stop_node(node_tmp) > 0
         text, _ = runner.communicate(timeout=600)
         assert runner.returncode == 0, text
         report = json.loads((out / "run_report.json").read_text())
@@ -249,11 +182,138 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
     finally:
         if runner is not None and runner.poll() is None:
             runner.kill()
-        _stop_node(node_tmp)
-        subprocess.run([str(SCRIPT), "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        cluster.close()
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(head_tmp, ignore_errors=True)
-        shutil.rmtree(node_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
+    """The run starts on the head alone (cpu_small); a second `ray start` node brings cpu_big, which the
+    job's cluster declares but the start could not profile: it is profiled when it joins, the re-plan
+    moves the layers onto it (10x cheaper), and the run finishes training like the reference."""
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.models import build_model
+    from heterps_ray.runtime.reference import ReferenceTrainer
+
+    work = Path(tempfile.mkdtemp(prefix="hps_join_"))
+    job_cluster, head_cluster = _cluster_files(work)
+    steps = 2400
+    job = {
+        "name": "join-run",
+        "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]},
+        "cluster": str(job_cluster),
+        "data": {"path": str(work / "data"), "synth_rows": 100_000},
+        "batch_size": 32,
+        "samples": 1_000_000,
+        "throughput_min": 50,
+        "mode": "sync",
+        "scheduler": "exact",
+        "output_dir": str(work / "out"),
+        "seed": 0,
+        "runtime": {"checkpoint_every": 10, "micro_batches": 1, "max_in_flight": 1},
+    }
+    # 90,000 train rows: 2,812 batches of 32, so the run is still training when the node has joined.
+    (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    out = work / "out"
+    runner = None
+    cluster = LocalRayCluster(head_cluster)
+    try:
+        try:
+            cluster.start()
+            runner = subprocess.Popen(
+                [sys.executable, "-m", "heterps_ray", "run", str(work / "job.yaml"), "--address",
+                 cluster.address, "--steps", str(steps), "--quick-profile", "--no-progress"],
+                cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            deadline = time.monotonic() + 600
+            while not list((out / "checkpoints").glob("step-*")) and runner.poll() is None:
+                assert time.monotonic() < deadline, "training never wrote a checkpoint"
+                time.sleep(0.2)
+            assert runner.poll() is None, runner.communicate()[0]
+            first = load_problem(out / "problem.yaml")
+            assert first.type_names == ["cpu_small"]  # cpu_big was not in the cluster: not profiled
+            cluster.add_node({"cpu_big": 2})
+            text, _ = runner.communicate(timeout=600)
+            assert runner.returncode == 0, text
+        finally:
+            if runner is not None and runner.poll() is None:
+                runner.kill()
+            cluster.close()
+        assert "lacks resource type(s) ['cpu_big'] now" in text  # said at the start, not refused
+        report = json.loads((out / "run_report.json").read_text())
+        assert len(report["replans"]) == 1, text
+        (replan,) = report["replans"]
+        assert "['cpu_big'] appeared" in replan["reason"], replan
+        assert replan["types_now"] == ["cpu_small", "cpu_big"] and replan["profiled_types"] == ["cpu_big"]
+        replanned = load_problem(replan["problem_file"])
+        assert sorted(replanned.type_names) == ["cpu_big", "cpu_small"]
+        for before, after in zip(first.layers, replanned.layers, strict=True):
+            assert after.time_ms["cpu_small"] == before.time_ms["cpu_small"]  # kept as first measured
+            big = after.time_ms["cpu_big"]  # measured on the node that joined
+            assert big.fixed + big.per_sample * job["batch_size"] > 0, after.name
+        resource = replanned.resources[replanned.type_names.index("cpu_big")]
+        assert resource.price_per_hour == 0.01  # from the job's cluster config
+        assert "cpu_big" in replan["new_plan"] and "cpu_big" not in replan["old_plan"]
+        summary = json.loads((out / "run_summary.json").read_text())
+        assert summary["steps"] == steps and summary["extra"]["batches_applied"] == steps
+        assert summary["extra"]["batches_lost"] == 0 and summary["extra"]["batches_duplicated"] == 0
+        assert any(s["type"] == "cpu_big" for s in summary["stages"])
+        config = JobConfig.model_validate({**job, "cluster": yaml.safe_load(job_cluster.read_text())})
+        trainer = ReferenceTrainer(build_model(config.model), config.optimizer, seed=config.seed)
+        trainer.fit(Dataset(work / "data"), config.batch_size, steps=steps, progress=False)
+        reference = trainer.evaluate(Dataset(work / "data").load("eval"))
+        assert abs(report["auc"] - reference["auc"]) < 2e-3, (report["auc"], reference["auc"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_data_worker_on_another_node_reads_the_dataset_from_shared_storage(dataset, tmp_path):
+    """Shared storage (the local filesystem stands in for an NFS or S3 mount): the dataset and the
+    output_dir are at one path every node sees; the whole model's DataWorker (its PS shards hosted in
+    its process) runs on the second node, the only one with cpu_big, and trains like the reference."""
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.models import build_model
+    from heterps_ray.runtime.reference import ReferenceTrainer
+
+    steps = 20
+    job = _job(dataset, tmp_path / "out", checkpoint_every=10)
+    (tmp_path / "job.yaml").write_text(job.model_dump_json())  # JSON is YAML
+    _, head_cluster = _cluster_files(tmp_path)
+    plan = json.loads((PLANS / "one_stage_big.json").read_text())  # the whole model on cpu_big
+    layers = [layer.name for layer in build_model(job.model).layers]
+    plan.update(
+        assignment=["cpu_big"] * len(layers), stages=[{"layers": layers, "type": "cpu_big", "replicas": 1}]
+    )
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    with LocalRayCluster(head_cluster) as cluster:
+        cluster.add_node({"cpu_big": 2})
+        trained = subprocess.run(
+            [sys.executable, "-m", "heterps_ray", "train", str(tmp_path / "job.yaml"), "--plan",
+             str(tmp_path / "plan.json"), "--address", cluster.address, "--steps", str(steps),
+             "--no-progress"],
+            cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        assert trained.returncode == 0, trained.stdout + trained.stderr
+        nodes = cluster.node_ids()
+    (big_node,) = nodes["cpu_big"]
+    assert big_node not in nodes["cpu_small"]  # a node of its own, not the head
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    (data_worker,) = [a for a in summary["placement"] if a["role"] == "data"]
+    assert data_worker["node_id"] == big_node and data_worker["hosted_shards"] == 1
+    assert summary["steps"] == steps and summary["extra"]["batches_applied"] == steps
+    # the PS shard in that DataWorker wrote its checkpoint snapshots into the shared output_dir
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*/ps-shard-*.npz")) == [
+        "ps-shard-00000.npz",
+        "ps-shard-00000.npz",
+    ]
+    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+    history = trainer.fit(Dataset(dataset), job.batch_size, steps=steps, progress=False)
+    reference = trainer.evaluate(Dataset(dataset).load("eval"))
+    np.testing.assert_allclose(summary["losses"], history["loss"], rtol=0, atol=1e-4)
+    assert abs(summary["auc"] - reference["auc"]) < 1e-3, (summary["auc"], reference["auc"])
 
 
 def _job(dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,7 @@ from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.exact import max_reachable_throughput
 from heterps_ray.scheduling.generator import generate_problem
 
+REPO = Path(__file__).resolve().parents[1]
 BUDGET = "600"  # seconds: far above what these tiny problems need, so no run is cut short by time
 
 
@@ -30,7 +32,9 @@ def test_scheduler_comparison_rows_match_direct_schedule_calls(ray_local, tmp_pa
     args = ["tune", "schedulers", "--generate", "2", "--seed", "3", "--floors", "0.3,0.8"]
     args += ["--schedulers", "single,greedy", "--budget-s", BUDGET, "-o", str(out)]
     assert main(args) == 0
-    assert "mean cost / exact optimum's cost" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mean cost / exact optimum's cost" in printed and "wins on the true model: exact 4 of 4" in printed
+    assert "base wins" not in printed  # no runtime sections: one model
     table = pd.read_parquet(out / "schedulers.parquet")
     assert len(table) == 2 * 2 * 3  # exact always runs
     assert set(table["scheduler"]) == {"exact", "single", "greedy"}
@@ -55,6 +59,88 @@ def test_scheduler_comparison_rows_match_direct_schedule_calls(ray_local, tmp_pa
             assert row.ratio >= 1.0 - 1e-9  # nothing beats the optimum
         else:
             assert math.isinf(row.cost)
+        # no runtime section: the base model is the problem's model
+        assert (row.base_cost, row.base_throughput, row.base_feasible) == (
+            row.cost,
+            row.throughput,
+            row.feasible,
+        )
+        assert row.scheduled_with == "true"
+
+
+def _runtime_problem(tmp_path):
+    """configs/problems/ctr_dnn_cloud.yaml on its cpu and t4 types (64 assignments), with a runtime
+    section (DESIGN.md §3b) under which the base model's optimum is not the optimum."""
+    import yaml
+
+    from heterps_ray.costmodel import load_problem
+
+    data = load_problem(REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml").to_dict()
+    data["resources"] = [r for r in data["resources"] if r["name"] in ("cpu", "t4")]
+    for layer in data["layers"]:
+        layer["time_ms"] = {t: v for t, v in layer["time_ms"].items() if t in ("cpu", "t4")}
+    data["runtime"] = {
+        "mode": "async",
+        "micro_batches": 2,
+        "batches_ahead": 1,
+        "call_ms": {"cpu": 2.0, "t4": 1.5},
+        "ps_wait_ms_per_row": 1e-4,
+        "ps_hosted_ms_per_row": 5e-5,
+    }
+    path = tmp_path / "ctr_dnn_runtime.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_scheduler_comparison_prices_each_plan_under_the_true_and_the_base_model(ray_local, tmp_path, capsys):
+    from heterps_ray.costmodel import CostModel, load_problem
+    from heterps_ray.scheduling import base_model
+
+    path, out = _runtime_problem(tmp_path), tmp_path / "cmp"
+    args = ["tune", "schedulers", "--problems", str(path), "--floors", "0.5,0.9"]
+    args += ["--schedulers", "greedy,single", "--budget-s", BUDGET, "-o", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    table = pd.read_parquet(out / "schedulers.parquet")
+    assert set(table["scheduler"]) == {"exact", "base:exact", "greedy", "single"}  # base:exact always runs
+    assert len(table) == 2 * 4
+
+    cases = {c.floor: c for c in make_cases([load_problem(path)], (0.5, 0.9))}
+    for row in table.itertuples():
+        problem = cases[row.floor].problem
+        replicas = [int(k) for k in row.replicas.split()]
+        t = CostModel(problem).evaluate(row.assignment.split(), replicas, row.ps_shards)
+        b = CostModel(base_model(problem)).evaluate(row.assignment.split(), replicas, row.ps_shards)
+        assert (row.throughput, row.feasible) == (pytest.approx(t.throughput, rel=1e-12), t.feasible)
+        assert (row.base_throughput, row.base_feasible) == (
+            pytest.approx(b.throughput, rel=1e-12),
+            b.feasible,
+        )
+        assert row.cost == (pytest.approx(t.cost, rel=1e-12) if t.feasible else math.inf)
+        assert row.base_cost == (pytest.approx(b.cost, rel=1e-12) if b.feasible else math.inf)
+        assert row.scheduled_with == ("base" if row.scheduler == "base:exact" else "true")
+        if row.scheduler == "base:exact":  # the base model's own exact optimum
+            optimum = get_scheduler("exact").schedule(base_model(problem))
+            assert row.assignment == " ".join(optimum.assignment)
+            assert row.base_cost == pytest.approx(optimum.cost)
+        assert row.ratio >= 1.0 - 1e-9 or not row.feasible
+    base = table[table.scheduler == "base:exact"]
+    assert (base["ratio"] > 1.1).all()  # here the runtime terms make the base optimum dearer or infeasible
+    wins = table[table.feasible & (table.ratio <= 1 + 1e-9)].groupby("scheduler").size()
+    expected = ", ".join(
+        f"{name} {n} of 2" for name, n in wins.sort_values(ascending=False, kind="stable").items()
+    )
+    ok = table[table.base_feasible]
+    base_wins = ok[ok.base_cost <= ok.groupby("floor").base_cost.transform("min") * (1 + 1e-9)]
+    base_wins = base_wins.groupby("scheduler").size()
+    assert base_wins.get("base:exact", 0) == 2  # on the base model its optimum wins every case
+    summary = {x.split()[0]: x.split() for x in printed.splitlines() if x}
+    for name, rows in table.groupby("scheduler"):  # every scheduler has its row, misses and wins counted
+        assert int(summary[name][3]) == int(np.isinf(rows["ratio"]).sum())
+        assert int(summary[name][4]) == int(wins.get(name, 0))
+        assert int(summary[name][5]) == int(base_wins.get(name, 0))
+    line = next(x for x in printed.splitlines() if x.startswith("wins on the true model"))
+    assert line == "wins on the true model (the runtime terms, DESIGN.md §3b): " + expected
 
 
 def test_genetic_sweep_scores_each_setting_by_its_cost_ratio(ray_local, tmp_path, capsys):

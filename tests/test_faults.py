@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
+import ray
 from fault_injection import ActorKiller
 
 from heterps_ray.config import JobConfig, load_cluster
@@ -130,6 +132,41 @@ def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset
     assert (summary.extra["batches_applied"], summary.extra["batches_lost"]) == (steps, 0)
     assert summary.extra["batches_duplicated"] == 0
     np.testing.assert_allclose(summary.losses[:STEPS], undisturbed.losses, rtol=0, atol=1e-6)
+
+
+class _KillBetweenChunks:
+    """An ``on_chunk`` hook: at the first chunk boundary from `step` on, SIGKILL DataWorker 0's process
+    (it hosts the PS shards) and return once it is gone, as when its node goes away: the driver's next
+    calls between chunks (the PS stats it tracks) find the actor dead."""
+
+    def __init__(self, step: int):
+        self.step, self.killed_at = step, None
+
+    def __call__(self, live) -> None:
+        if self.killed_at is not None or live.step < self.step:
+            return
+        process = psutil.Process(ray.get(live.data_workers[0].describe.remote())["pid"])
+        process.kill()
+        psutil.wait_procs([process], timeout=30)
+        self.killed_at = live.step
+
+
+def test_an_actor_dying_between_chunks_is_recovered_not_an_error_of_the_run(
+    ray_local, dataset, tmp_path, undisturbed
+):
+    """The elastic test once saw its node go away while the driver asked the hosted PS for stats."""
+    killer = _KillBetweenChunks(step=2 * EVERY)
+    summary = train(
+        make_job(dataset, tmp_path), load_plan(PLANS / "small_three_stage.json"), steps=STEPS,
+        progress=False, on_chunk=killer,
+    )  # fmt: skip
+    assert killer.killed_at == 2 * EVERY
+    (fault,) = summary.extra["faults"]
+    assert [a["kind"] for a in fault["actors"]] == ["data_worker"]
+    assert fault["step"] == fault["rolled_back_to"] == 2 * EVERY and fault["batches_replayed"] == 0
+    extra = summary.extra
+    assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (STEPS, 0, 0)
+    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
 
 
 def test_more_deaths_than_max_restarts_fail_with_a_clear_error(ray_local, dataset, tmp_path):

@@ -180,6 +180,85 @@ def test_heterps_compare_lists_each_scheduler_with_its_ratio(tmp_path, capsys):
     assert rows[0]["ratio_to_exact"] == pytest.approx(1.0)
     assert all(r["ratio_to_exact"] >= 1 - 1e-9 for r in rows if r["feasible"])
     assert rows[3]["ratio_to_exact"] > 1.5  # CPU only is far dearer for CTR-DNN here
+    # no runtime section: the base model only, as DESIGN.md §3 prices it
+    assert all("base_cost" not in r and "scheduled_with" not in r for r in rows)
+    assert "base cost" not in printed and "cheapest under the true model" not in printed
+
+
+def _with_runtime(tmp_path: Path, throughput_min: float) -> Path:
+    """ctr_dnn_cloud.yaml on its cpu and t4 types (2^6 assignments: exact enumerates them fast), with a
+    runtime section (DESIGN.md §3b): async, 2 micro-batches, 1 batch ahead, Ray's per-call cost."""
+    data = load_problem(CTR).to_dict()
+    keep = ("cpu", "t4")
+    data["resources"] = [r for r in data["resources"] if r["name"] in keep]
+    for layer in data["layers"]:
+        layer["time_ms"] = {t: v for t, v in layer["time_ms"].items() if t in keep}
+    data["throughput_min"] = throughput_min
+    data["runtime"] = {
+        "mode": "async",
+        "micro_batches": 2,
+        "batches_ahead": 1,
+        "call_ms": {"cpu": 2.0, "t4": 1.5},
+        "ps_wait_ms_per_row": 1e-4,
+        "ps_hosted_ms_per_row": 5e-5,
+    }
+    path = tmp_path / "ctr_dnn_runtime.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("floor", [200_000, 300_000])
+def test_heterps_compare_prices_each_plan_under_the_true_and_the_base_model(floor, tmp_path, capsys):
+    from heterps_ray.costmodel import CostModel
+    from heterps_ray.scheduling import base_model
+
+    path, out = _with_runtime(tmp_path, floor), tmp_path / "compare.json"
+    names = "greedy,random,single:cpu"
+    assert main(["compare", "--problem", str(path), "--schedulers", names, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for header in ("scheduled with", "cost ($)", "base cost ($)", "base throughput", "bound"):
+        assert header in printed
+    rows = json.loads(out.read_text())
+    assert [r["scheduler"] for r in rows] == ["exact", "base:exact", "greedy", "random", "single:cpu"]
+    assert [r["scheduled_with"] for r in rows] == [
+        "base" if r["scheduler"] == "base:exact" else "true" for r in rows
+    ]
+
+    problem = load_problem(path)
+    true_model, base = CostModel(problem), CostModel(base_model(problem))
+    for r in rows:  # every number is the cost model's, under each model
+        t = true_model.evaluate(r["assignment"], r["replicas"], r["ps_shards"])
+        b = base.evaluate(r["assignment"], r["replicas"], r["ps_shards"])
+        assert (r["cost"], r["throughput"], r["feasible"]) == (
+            pytest.approx(t.cost),
+            pytest.approx(t.throughput),
+            t.feasible,
+        )
+        assert (r["base_cost"], r["base_throughput"], r["base_feasible"]) == (
+            pytest.approx(b.cost),
+            pytest.approx(b.throughput),
+            b.feasible,
+        )
+        assert r["bound"] == t.bound
+    exact, base_optimum = rows[0], rows[1]
+    optimum = get_scheduler("exact").schedule(base_model(problem))  # exact on the base model, directly
+    assert (base_optimum["assignment"], base_optimum["replicas"]) == (
+        list(optimum.assignment),
+        optimum.replicas,
+    )
+    assert base_optimum["base_cost"] == pytest.approx(optimum.cost) and base_optimum["base_feasible"]
+    assert base_optimum["base_cost"] <= min(r["base_cost"] for r in rows if r["base_feasible"]) * (1 + 1e-9)
+    # exact is exact for the true model: no plan that meets the floor there is cheaper, the base optimum included
+    assert exact["feasible"]
+    assert all(r["cost"] >= exact["cost"] * (1 - 1e-9) for r in rows if r["feasible"])
+    winners = [r["scheduler"] for r in rows if r["feasible"] and r["cost"] <= exact["cost"] * (1 + 1e-9)]
+    assert f"cheapest under the true model: {', '.join(winners)} ({exact['cost']:,.4f} $)" in printed
+    # here the runtime terms move the optimum: the base model's plan is dearer, or misses the floor
+    if base_optimum["feasible"]:
+        assert base_optimum["ratio_to_exact"] > 1.1 and "x the true optimum" in printed
+    else:
+        assert base_optimum["throughput"] < floor and "misses the floor" in printed
+    assert base_optimum["feasible"] == (floor == 200_000)
 
 
 def test_heterps_plan_rl_plans_a_cluster_of_nine_types(tmp_path, capsys):

@@ -91,7 +91,9 @@ def test_async_m_to_n_replicas_share_work_with_bounded_staleness(ray_local, smal
     assert metrics["auc"] == pytest.approx(summary.auc, abs=1e-6)
 
 
-def test_async_with_one_data_worker_and_one_replica_per_stage_trains_like_sync(ray_local, small_data, tmp_path):
+def test_async_with_one_data_worker_and_one_replica_per_stage_trains_like_sync(
+    ray_local, small_data, tmp_path
+):
     """Nothing runs in parallel: async (batches_ahead 0) applies each batch before the next, as sync."""
     steps = 30
     plan = load_plan(PLANS / "small_three_stage.json")
@@ -114,7 +116,9 @@ def test_async_with_several_data_workers_or_replicas_stays_within_0_005_auc_of_s
     raw["stages"][1]["replicas"] = replicas
     raw["ps_shards"] = 1
     out = data.parent / f"async-{workers}-{replicas}"
-    run = train(make_job(data, out, "async", 512, micro_batches=replicas), Plan.from_dict(raw), progress=False)
+    run = train(
+        make_job(data, out, "async", 512, micro_batches=replicas), Plan.from_dict(raw), progress=False
+    )
     print(f"{workers} DataWorkers, {replicas} replicas: async AUC {run.auc:.4f}, sync {sync.auc:.4f}")
     assert run.samples == sync.samples
     assert abs(run.auc - sync.auc) < 0.005
@@ -134,3 +138,81 @@ def auc_data(ray_local, tmp_path_factory) -> tuple[Path, Any]:
     )
     assert sync.auc > meta["achievable_auc"] - 0.05  # it really learned
     return root / "data", sync
+
+
+def _one_stage_plan(shards: int) -> Plan:
+    """Every layer in one cpu_small stage (one DataWorker): all dense weights local, PS shards hosted."""
+    raw = load_plan(PLANS / "small_async.json").to_dict()
+    raw["assignment"] = ["cpu_small"] * 4
+    raw["stages"] = [{"layers": ["embedding", "fc1", "fc2", "logit"], "type": "cpu_small", "replicas": 1}]
+    raw["ps_shards"] = shards
+    return Plan.from_dict(raw)
+
+
+@pytest.mark.slow  # six short runs (~50 s)
+def test_async_resume_under_another_plan_moves_dense_state_by_layer_name(ray_local, small_data, tmp_path):
+    """A re-plan in async mode: the checkpoint of a plan whose fc1..fc2 weights live on a PS shard
+    (2 replicas) resumes as one stage with every weight local and 2 PS shards, and back again. The
+    weights, the Adam moments and their step counts, the sparse rows and the data position carry over."""
+    from heterps_ray.ps.atomic import read_npz
+    from heterps_ray.runtime.checkpoint import CHECKPOINTS_DIR
+
+    stop = 12
+    replicated = load_plan(PLANS / "small_async.json")  # embedding | fc1..fc2 x2 (weights on the PS) | logit
+    job = make_job(small_data, tmp_path, "async", 64, checkpoint_every=stop)
+    first = train(job, replicated, steps=stop, progress=False)
+    assert first.ps[0]["dense_versions"] == {"stage1": stop}
+    ckpt = tmp_path / CHECKPOINTS_DIR / f"step-{stop:08d}"
+    table = read_npz(ckpt / "ps-shard-00000.npz")
+    logit_file = read_npz(ckpt / "stage2-replica000.npz")
+
+    # resumed as one stage without training: the model is the checkpoint's, by layer name
+    same = train(job, _one_stage_plan(2), steps=stop, progress=False, resume=True)
+    assert same.extra["resumed_from"] == {
+        "checkpoint": str(ckpt),
+        "step": stop,
+        "skipped": [],
+        "plan_changed": True,
+    }
+    model = read_npz(tmp_path / "model" / "dense.npz")
+    fc1 = [k for k in model if k.startswith("fc1.")]
+    assert fc1 and all(np.array_equal(model[k], table[f"dense/stage1/param/{k}"]) for k in fc1)
+    logit = [k for k in model if k.startswith("logit.")]
+    assert logit and all(np.array_equal(model[k], logit_file[f"param/{k}"]) for k in logit)
+    assert len(same.ps) == 2  # re-sharded 1 -> 2, every row kept
+    assert sum(sum(s["rows"].values()) for s in same.ps) == sum(first.ps[0]["rows"].values())
+
+    # trained on: the local Adam of fc1 goes on from the PS table's step, stage 0's from its own
+    on = train(job, _one_stage_plan(2), steps=2 * stop, progress=False, resume=True)
+    assert on.steps == 2 * stop and np.all(np.isfinite(on.losses))
+    worker = read_npz(tmp_path / CHECKPOINTS_DIR / f"step-{2 * stop:08d}" / "data-000.npz")
+    assert int(worker["data/batch_index"]) == 2 * stop
+    steps = {k.split("/")[1].split(".")[0]: float(v) for k, v in worker.items() if k.endswith("/step")}
+    assert set(steps) == {"fc1", "fc2", "logit"} and set(steps.values()) == {2.0 * stop}, steps
+
+    # and back: fc1..fc2 on a PS shard again, its table's Adam step and weights from the local ones
+    back = train(job, replicated, steps=2 * stop, progress=False, resume=True)
+    assert back.ps[0]["dense_versions"] == {"stage1": 2 * stop}
+    model = read_npz(tmp_path / "model" / "dense.npz")
+    assert all(np.array_equal(model[k], worker[f"param/{k}"]) for k in model if not k.startswith("embedding"))
+
+    # and onto two DataWorkers: each resumes at the fraction of the data the one had done, of its own
+    # partitions (every other train file), so the epoch goes on where it was
+    import pyarrow.parquet as pq
+
+    from heterps_ray.data.dataset import Dataset
+
+    files = sorted(Dataset(small_data).files("train"))
+    batches = [
+        sum(pq.ParquetFile(f).metadata.num_rows for f in files[i::n]) // 64 for n in (1, 2) for i in range(n)
+    ]
+    skips = [int(2 * stop / batches[0] * b) for b in batches[1:]]
+    more = train(job, m_to_n_plan(), steps=3 * stop, progress=False, resume=True)
+    assert (
+        more.steps == 3 * stop
+        and np.all(np.isfinite(more.losses))
+        and more.extra["resumed_from"]["plan_changed"]
+    )
+    ckpt = tmp_path / CHECKPOINTS_DIR / f"step-{3 * stop:08d}"
+    positions = [int(read_npz(ckpt / f"data-{i:03d}.npz")["data/batch_index"]) for i in range(2)]
+    assert positions == [skip + stop // 2 for skip in skips]  # round robin: half the new batches each

@@ -243,6 +243,35 @@ def test_single_type_scheduler_names_its_type():
         get_scheduler("single:tpu").schedule(problem)
 
 
+def test_base_prefix_schedules_the_base_model_and_prices_with_the_runtime_terms():
+    problem = alternating_problem(gpu_max=3)
+    plain = get_scheduler("base:exact").schedule(problem)  # no runtime section: the base model is the model
+    exact = get_scheduler("exact").schedule(problem)
+    assert (plain.scheduler, plain.assignment, plain.replicas) == (
+        "base:exact",
+        exact.assignment,
+        exact.replicas,
+    )
+    assert plain.cost == pytest.approx(exact.cost) and plain.extra["base_cost"] == pytest.approx(exact.cost)
+
+    data = problem.to_dict()
+    data["runtime"] = {"mode": "async", "call_ms": {"cpu": 3.0, "gpu": 3.0}, "ps_wait_ms_per_row": 0.01}
+    with_runtime = problem_from_dict(data)
+    base = get_scheduler("base:greedy").schedule(with_runtime)
+    greedy_on_base = get_scheduler("greedy").schedule(problem)  # the same problem without the section
+    assert (base.assignment, base.replicas, base.ps_shards) == (
+        greedy_on_base.assignment,
+        greedy_on_base.replicas,
+        greedy_on_base.ps_shards,
+    )
+    priced = CostModel(with_runtime).evaluate(list(base.assignment), base.replicas, base.ps_shards)
+    assert (base.throughput, base.cost, base.feasible) == (priced.throughput, priced.cost, priced.feasible)
+    assert base.extra["base_throughput"] == pytest.approx(greedy_on_base.throughput)
+    assert base.throughput < greedy_on_base.throughput  # the runtime's call and PS terms cost throughput
+    with pytest.raises(ConfigError, match="one base: prefix"):
+        get_scheduler("base:base:exact")
+
+
 def test_unknown_scheduler_is_a_config_error():
     with pytest.raises(ConfigError) as info:
         get_scheduler("simulated-annealing")

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import sys
 
+import numpy as np
 import pytest
+from helpers import REPO, tiny_sync_job
 
 from heterps_ray.errors import ConfigError
 from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker, read_scalars
+
+PLANS = REPO / "configs" / "plans"
 
 
 def test_scalars_per_step_and_final_metrics_read_back_from_the_event_file(tmp_path):
@@ -51,24 +56,62 @@ def test_negative_step_is_refused(tmp_path):
         tracker.log_scalars(-1, {"train/loss": 0.5})
 
 
-def test_mlflow_when_asked(tmp_path, caplog):
-    """With MLflow installed the metrics land in its run; without it the run still tracks to TensorBoard."""
-    import importlib.util
+def test_mlflow_asked_but_not_installed_tracks_to_tensorboard_only(tmp_path, caplog, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` meets without the package
+    with RunTracker(tmp_path, mlflow=True) as tracker:
+        tracker.log_final({"eval/auc": 0.75})
+    assert "mlflow is not installed" in caplog.text
+    assert read_scalars(tmp_path / TENSORBOARD_DIR)["eval/auc"] == [(0, pytest.approx(0.75))]
 
-    if importlib.util.find_spec("mlflow") is None:
-        with RunTracker(tmp_path, mlflow=True) as tracker:
-            tracker.log_final({"eval/auc": 0.75})
-        assert "mlflow is not installed" in caplog.text
-        assert read_scalars(tmp_path / TENSORBOARD_DIR)["eval/auc"] == [(0, pytest.approx(0.75))]
-        return
+
+def _mlflow_store(tmp_path, monkeypatch):
+    """MLflow (mlflow-skinny, the test extra) tracking to a file store of the test's own."""
     import mlflow
 
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
     mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    return mlflow
+
+
+def test_mlflow_when_asked_and_installed(tmp_path, monkeypatch):
+    mlflow = _mlflow_store(tmp_path, monkeypatch)
     with RunTracker(tmp_path, mlflow=True, run_name="t") as tracker:
         tracker.log_scalars(3, {"train/loss": 0.5})
         tracker.log_final({"eval/auc": 0.75})
     (run,) = mlflow.search_runs(output_format="list")
-    assert run.data.metrics == {"train/loss": 0.5, "eval/auc": 0.75}
+    assert run.info.run_name == "t" and run.data.metrics == {"train/loss": 0.5, "eval/auc": 0.75}
+
+
+def test_a_run_with_mlflow_on_logs_what_tensorboard_and_the_summary_hold(ray_local, tmp_path, monkeypatch):
+    """`runtime.mlflow: true`: every per-chunk scalar and the final AUC and logloss land in MLflow at the
+    steps and values of the TensorBoard events and of run_summary.json."""
+    from mlflow.tracking import MlflowClient
+
+    from heterps_ray.config import JobConfig
+    from heterps_ray.data.synth import synthesize
+    from heterps_ray.runtime.driver import train
+    from heterps_ray.scheduling.plan import load_plan
+
+    mlflow = _mlflow_store(tmp_path, monkeypatch)
+    synthesize(tmp_path / "data", 2_000, seed=13, rows_per_part=1_000)
+    raw = tiny_sync_job("mlflow-run", tmp_path / "data", tmp_path / "out").model_dump()
+    raw["runtime"].update(mlflow=True, checkpoint_every=0)
+    summary = train(
+        JobConfig.model_validate(raw), load_plan(PLANS / "small_three_stage.json"), steps=24, progress=False
+    )
+    (run,) = mlflow.search_runs(output_format="list")
+    assert run.info.run_name == "mlflow-run" and run.info.status == "FINISHED"
+    events = read_scalars(tmp_path / "out" / TENSORBOARD_DIR)
+    assert {"train/loss", "train/samples_per_s", "ps/rows", "stage1/busy_fraction", "eval/auc"} <= set(events)
+    assert set(run.data.metrics) == set(events)
+    client = MlflowClient()
+    for tag, points in events.items():
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag))
+        assert [s for s, _ in history] == [s for s, _ in points], tag
+        np.testing.assert_allclose([v for _, v in history], [v for _, v in points], rtol=1e-6, err_msg=tag)
+    assert run.data.metrics["eval/auc"] == pytest.approx(summary.auc, rel=1e-12)
+    assert run.data.metrics["eval/logloss"] == pytest.approx(summary.logloss, rel=1e-12)
+    assert client.get_metric_history(run.info.run_id, "eval/auc")[0].step == summary.steps
 
 
 def test_a_run_summary_becomes_per_step_and_final_scalars(tmp_path):

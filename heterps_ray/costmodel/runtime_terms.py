@@ -82,17 +82,17 @@ def limits(
     """The runtime terms of one plan: `stages` as (start, end, type index), replicas per stage."""
     terms = _terms(model)
     hosted = terms.ps_hosting == "auto" and all(k == 1 for k in replicas)
-    busy, cpu = _busy(model, stages, hosted)
+    work = _busy(model, stages, hosted)
     K, S = terms.micro_batches, len(stages)
     counts = [1] * S if terms.mode == "sync" else list(replicas)  # sync: one replica does all the work
     return RuntimeLimits(
-        stage_ms=tuple(K * ms for ms in busy),
+        stage_ms=tuple(K * ms for ms in work.busy),
         stage_throughput=tuple(
-            _stage_throughput(model, ms, a, k) for ms, a, k in zip(busy, alphas, counts, strict=True)
+            _stage_throughput(model, ms, a, k) for ms, a, k in zip(work.busy, alphas, counts, strict=True)
         ),
-        loop_ms=_loop_ms(terms, busy),
-        loop_throughput=_loop_throughput(model, busy, counts[0]),
-        host_throughput=_host_throughput(model, stages, cpu, K, hosted),
+        loop_ms=_loop_ms(terms, work),
+        loop_throughput=_loop_throughput(model, work, counts[0]),
+        host_throughput=_host_throughput(model, stages, work, K, hosted),
         ps_hosted=hosted,
     )
 
@@ -107,19 +107,19 @@ def throughput_tables(
     replicas (stage 0's includes its DataWorkers' loops), and the cap no count changes (host, and the
     loop in sync)."""
     terms = _terms(model)
-    busy, cpu = _busy(model, stages, hosted=False)
-    host = _host_throughput(model, stages, cpu, terms.micro_batches, hosted=False)
+    work = _busy(model, stages, hosted=False)
+    host = _host_throughput(model, stages, work, terms.micro_batches, hosted=False)
     tables = []
-    for j, (ms, a, k_max) in enumerate(zip(busy, alphas, max_replicas, strict=True)):
+    for j, (ms, a, k_max) in enumerate(zip(work.busy, alphas, max_replicas, strict=True)):
         k = np.arange(1, k_max + 1)
         if terms.mode == "sync":
             table = np.full(len(k), _stage_throughput(model, ms, a, 1))
         else:
             table = np.asarray(_stage_throughput(model, ms, a, k))
             if j == 0:
-                table = np.minimum(table, k * _loop_throughput(model, busy, 1))
+                table = np.minimum(table, k * _loop_throughput(model, work, 1))
         tables.append(table)
-    cap = host if terms.mode == "async" else min(host, _loop_throughput(model, busy, 1))
+    cap = host if terms.mode == "async" else min(host, _loop_throughput(model, work, 1))
     return tables, cap
 
 
@@ -130,10 +130,23 @@ def _terms(model: CostModel) -> RuntimeTerms:
     return terms
 
 
-def _busy(
-    model: CostModel, stages: Sequence[tuple[int, int, int]], hosted: bool
-) -> tuple[list[float], list[tuple[float, float]]]:
-    """Per stage: ms one replica is busy per micro-batch, and that split into (compute, the rest)."""
+@dataclass(frozen=True)
+class _Work:
+    """Per stage, per micro-batch: what its actor is busy with, split into compute and the rest,
+    and the part of its calls' round trips it is not busy (in flight, at the caller)."""
+
+    busy: list[float]
+    compute: list[float]
+    waiting: list[float]
+
+    @property
+    def loop(self) -> float:
+        return sum(self.busy) + sum(self.waiting)
+
+
+def _busy(model: CostModel, stages: Sequence[tuple[int, int, int]], hosted: bool) -> _Work:
+    """What each stage spends per micro-batch (DESIGN.md §3b). A call's round trip is `call_ms`; of
+    it the callee is busy its type's `call_overhead_ms` (its own work per call received)."""
     problem = model.problem
     terms = _terms(model)
     b = model.batch_size / terms.micro_batches
@@ -144,35 +157,38 @@ def _busy(
         return nbytes / (types[j].bandwidth_gbps * BYTES_PER_MS_PER_GBPS)
 
     out = [problem.layers[end - 1].out_bytes_per_sample * b for _, end, _ in stages]
-    busy, cpu = [], []
+    work = _Work([], [], [])
     for j, (start, end, t) in enumerate(stages):
         compute = float((model.fixed_ms[start:end, t] + model.per_sample_ms[start:end, t] * b).sum())
-        other = 0.0
+        other = waiting = 0.0
         if j > 0:
             calls = 2 if j < S - 1 else 1
-            other += calls * call_ms(problem, terms, types[j].name) + side_ms(j, 2.0 * out[j - 1])
+            round_trip = call_ms(problem, terms, types[j].name)
+            own = min(types[j].call_overhead_ms, round_trip)
+            other += calls * own + side_ms(j, 2.0 * out[j - 1])
+            waiting = calls * (round_trip - own)
         if j < S - 1:
             other += side_ms(j, 2.0 * out[j])
         if j == 0:
             other += problem.input_bytes_per_sample * b / (types[0].io_gbps * BYTES_PER_MS_PER_GBPS)
             rows = model.rows_per_sample * b
             other += rows * (terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row)
-        busy.append(compute + other)
-        cpu.append((compute, other))
-    return busy, cpu
+        work.busy.append(compute + other)
+        work.compute.append(compute)
+        work.waiting.append(waiting)
+    return work
 
 
-def _loop_ms(terms: RuntimeTerms, busy: Sequence[float]) -> float:
+def _loop_ms(terms: RuntimeTerms, work: _Work) -> float:
     """A batch as its DataWorker waits for it: sync with the GPipe fill and drain of its micro-batches."""
-    loop, K = sum(busy), terms.micro_batches
+    K = terms.micro_batches
     if terms.mode == "sync":
-        return loop + (K - 1) * max(busy)
-    return loop * K / terms.in_flight
+        return work.loop + (K - 1) * max(work.busy)
+    return work.loop * K / terms.in_flight
 
 
-def _loop_throughput(model: CostModel, busy: Sequence[float], data_workers: int) -> float:
-    terms = _terms(model)
-    loop_ms = _loop_ms(terms, busy)
+def _loop_throughput(model: CostModel, work: _Work, data_workers: Any) -> Any:
+    loop_ms = _loop_ms(_terms(model), work)
     if loop_ms <= 0:
         return math.inf
     return data_workers * MS_PER_S * model.batch_size / loop_ms
@@ -184,24 +200,22 @@ def _stage_throughput(model: CostModel, busy_ms: float, alpha: float, replicas: 
 
 
 def _host_throughput(
-    model: CostModel,
-    stages: Sequence[tuple[int, int, int]],
-    cpu: Sequence[tuple[float, float]],
-    K: int,
-    hosted: bool,
+    model: CostModel, stages: Sequence[tuple[int, int, int]], work: _Work, K: int, hosted: bool
 ) -> float:
-    """samples/s the shared hosts' free cores allow (inf when no stage shares a host)."""
+    """samples/s the shared hosts' free cores allow (inf when no stage shares a host): per batch, the
+    compute of its actors at min(threads, cores) cores, the rest of their work and their calls'
+    round trips (the caller's side) at one, the PS shards' service, and Ray's CPU per call."""
     problem = model.problem
     names = problem.type_names
     best = math.inf
     for host in problem.hosts or ():
         work_ms, calls = 0.0, 0
-        for j, (compute, other) in enumerate(cpu):
+        for j, (compute, busy, waiting) in enumerate(zip(work.compute, work.busy, work.waiting, strict=True)):
             rtype = problem.resources[stages[j][2]]
             if rtype.name not in host.types:
                 continue
-            work_ms += compute * min(rtype.threads or 1, host.cores) + other
-            calls += 0 if j == 0 else (2 if j < len(cpu) - 1 else 1)
+            work_ms += compute * min(rtype.threads or 1, host.cores) + (busy - compute) + waiting
+            calls += 0 if j == 0 else (2 if j < len(work.busy) - 1 else 1)
         if not hosted and names[model.ps_type] in host.types and math.isfinite(model.ps_rows_per_second):
             rows = model.rows_per_sample * model.batch_size / K
             work_ms += rows / model.ps_rows_per_second * MS_PER_S  # the shards' service, beside the wait

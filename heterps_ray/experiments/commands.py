@@ -35,16 +35,21 @@ def _register_tune(subparsers: Any) -> None:
         help="every scheduler on every (problem, floor): cost, ratio to exact, throughput, seconds",
         description=(
             "One Tune trial per (problem, floor, scheduler). Writes OUTPUT/schedulers.parquet (problem, floor, "
-            "throughput_min, scheduler, cost, ratio, throughput, cost_rate, feasible, seconds, plans_evaluated, "
-            "assignment, replicas, ps_shards), OUTPUT/cost_vs_floor.png and OUTPUT/ratio_to_exact.png, and prints "
-            "the mean cost ratio to the exact optimum per scheduler and floor. " + _SUITE_HELP
+            "throughput_min, scheduler, cost, ratio, throughput, cost_rate, feasible, base_cost, base_throughput, "
+            "base_feasible, scheduled_with, seconds, plans_evaluated, assignment, replicas, ps_shards), "
+            "OUTPUT/cost_vs_floor.png and OUTPUT/ratio_to_exact.png, and prints the mean cost ratio to the exact "
+            "optimum per scheduler and floor and the cases each scheduler wins. cost/throughput/feasible are "
+            "under the problem's own model (with a runtime section, DESIGN.md §3b, the true model), base_* "
+            "under the base model of §3; with runtime sections base:exact (the base model's exact optimum) "
+            "always runs too. " + _SUITE_HELP
         ),
     )
     _suite_arguments(compare, floors="0.2,0.4,0.6,0.8")
     compare.add_argument(
         "--schedulers",
         default=None,
-        help="comma-separated names (default: all registered but brute; exact always runs)",
+        help="comma-separated names, base:<name> for <name> on the base model (default: all registered "
+        "but brute; exact always runs, and base:exact when a problem has a runtime section)",
     )
     compare.add_argument(
         "--budget-s", type=float, default=30.0, help="time budget per scheduler run, seconds (default 30)"
@@ -221,20 +226,51 @@ def _range(text: str, option: str, low: int, high: int) -> tuple[int, int]:
 
 
 def _summary(table: Any) -> str:
-    """Mean cost ratio to exact per scheduler (rows) and floor (columns); misses counted apart."""
+    """Mean cost ratio to exact per scheduler (rows) and floor (columns); misses counted apart; the cases
+    each scheduler wins (its plan the cheapest that meets the floor), on the true model and, where the
+    problems have runtime terms, on the base model; and a line naming the winner on the true model."""
     import numpy as np
 
     finite = table.assign(ratio=table["ratio"].where(np.isfinite(table["ratio"])))
     ratio = finite.pivot_table(index="scheduler", columns="floor", values="ratio", aggfunc="mean")
+    ratio = ratio.reindex(sorted(table["scheduler"].unique()))  # a scheduler that missed every floor too
     missed = table.assign(missed=np.isinf(table["ratio"])).groupby("scheduler")["missed"].sum()
     seconds = table.groupby("scheduler")["seconds"].mean()
     ratio.columns = [f"floor {c:g}" for c in ratio.columns]
     ratio["missed"] = missed
-    ratio["mean s"] = seconds
-    return (
-        "mean cost / exact optimum's cost (feasible plans); missed = floors exact reaches but it does not\n"
-        + (ratio.to_string(float_format=lambda x: f"{x:.3f}"))
+    ratio["wins"] = _wins(table, "cost", "feasible").reindex(ratio.index, fill_value=0)
+    runtime = bool(
+        ((table["base_cost"] != table["cost"]) | (table["base_throughput"] != table["throughput"])).any()
     )
+    if runtime:
+        ratio["base wins"] = _wins(table, "base_cost", "base_feasible").reindex(ratio.index, fill_value=0)
+    ratio["mean s"] = seconds
+    cases = table.groupby(["problem", "floor"]).ngroups
+    wins = ratio["wins"].sort_values(ascending=False, kind="stable")
+    line = (
+        f"wins on the true model{' (the runtime terms, DESIGN.md §3b)' if runtime else ''}: "
+        + ", ".join(f"{name} {int(n)} of {cases}" for name, n in wins.items() if n > 0)
+        if wins.max() > 0
+        else "no scheduler's plan meets any floor"
+    )
+    return (
+        "mean cost / exact optimum's cost (feasible plans); missed = floors exact reaches but it does not;\n"
+        "wins = cases where its plan is the cheapest that meets the floor (ties shared)"
+        + ("; base wins = the same on the base model (no runtime terms)" if runtime else "")
+        + "\n"
+        + ratio.to_string(float_format=lambda x: f"{x:.3f}")
+        + "\n"
+        + line
+    )
+
+
+def _wins(table: Any, cost: str, feasible: str) -> Any:
+    """Per scheduler, the (problem, floor) cases where its plan meets the floor at the lowest `cost`."""
+    from heterps_ray.costmodel.analytic import FLOOR_RTOL
+
+    ok = table[table[feasible].astype(bool)]
+    best = ok.groupby(["problem", "floor"])[cost].transform("min")
+    return ok[ok[cost] <= best * (1.0 + FLOOR_RTOL)].groupby("scheduler").size()
 
 
 def _init_ray(args: argparse.Namespace) -> None:

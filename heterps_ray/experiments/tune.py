@@ -2,7 +2,10 @@
 
 A *case* is a problem at one throughput floor, given as a fraction of the highest throughput any plan
 of that problem reaches (so 0.8 is hard everywhere, whatever the problem's scale). Every cost is
-compared with the exact optimum of its case::
+compared with the exact optimum of its case. A problem with a runtime section (DESIGN.md §3b) is
+scheduled on that true model; each plan is also priced on the base model of §3 (`base_cost`,
+`base_throughput`, `base_feasible`), and `base:exact` (the base model's exact optimum) always runs
+beside exact, to show what ignoring the runtime terms costs::
 
     problems = generate_problems(4, seed=0)
     table = compare_schedulers(problems, floors=(0.2, 0.6), schedulers=["exact", "greedy", "genetic"],
@@ -35,7 +38,14 @@ import pandas as pd
 from heterps_ray.costmodel import Problem, load_problem
 from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.experiments.cost_frontier import with_floor
-from heterps_ray.scheduling import Plan, Scheduler, available_schedulers, get_scheduler
+from heterps_ray.scheduling import (
+    BaseModelScheduler,
+    Plan,
+    Scheduler,
+    available_schedulers,
+    base_model,
+    get_scheduler,
+)
 from heterps_ray.scheduling.exact import max_reachable_throughput
 
 DEFAULT_FLOORS = (0.2, 0.4, 0.6, 0.8)  # fractions of each problem's highest reachable throughput
@@ -55,6 +65,10 @@ COMPARISON_COLUMNS = (
     "throughput",
     "cost_rate",
     "feasible",
+    "base_cost",
+    "base_throughput",
+    "base_feasible",
+    "scheduled_with",
     "seconds",
     "plans_evaluated",
     "assignment",
@@ -62,6 +76,7 @@ COMPARISON_COLUMNS = (
     "ps_shards",
     "error",
 )
+BASE_OPTIMUM = "base:exact"  # the base model's exact optimum, priced by the true model
 
 
 # What each sweep trial reports (besides its settings).
@@ -169,12 +184,16 @@ def compare_schedulers(
     """One Tune trial per (problem, floor, scheduler); a DataFrame with COMPARISON_COLUMNS.
 
     `ratio` is cost / the exact optimum's cost of the case (exact always runs): inf where the
-    scheduler misses a floor that exact reaches, NaN where no plan reaches it.
+    scheduler misses a floor that exact reaches, NaN where no plan reaches it. Cost, throughput and
+    feasible are under the problem's own model (with its runtime terms, the true model), base_* under
+    the base model of DESIGN.md §3 (plan_metrics); with runtime terms base:exact always runs too.
     `scheduler_options` adds keyword arguments per scheduler (e.g. {"rl": {"iterations": 2}}).
     """
     from ray import tune
 
-    names = list(dict.fromkeys(["exact", *(schedulers or default_schedulers())]))
+    # with runtime terms the base model's optimum is not the optimum: always show what it is worth
+    base = [BASE_OPTIMUM] if any(p.runtime is not None for p in problems) else []
+    names = list(dict.fromkeys(["exact", *base, *(schedulers or default_schedulers())]))
     check_schedulers(names)
     cases = make_cases(problems, floors)
     options = {k: dict(v) for k, v in (scheduler_options or {}).items()}
@@ -186,7 +205,7 @@ def compare_schedulers(
         tune.with_resources(
             trainable,
             lambda config: tune.PlacementGroupFactory(
-                [{"CPU": min(RL_CPUS if config["scheduler"] == "rl" else cpus_per_trial, cpus)}]
+                [{"CPU": min(RL_CPUS if _is_rl(config["scheduler"]) else cpus_per_trial, cpus)}]
             ),
         ),
         param_space={
@@ -221,20 +240,34 @@ def compare_schedulers(
 
 
 def check_schedulers(names: Iterable[str]) -> None:
-    """ConfigError unless every name is a registered scheduler or single:<type>."""
+    """ConfigError unless every name is a registered scheduler, single:<type> or base:<either>."""
     known = available_schedulers()
     for name in names:
-        if name not in known and not name.startswith("single:"):
-            raise ConfigError(None, "--schedulers", f"names among {known} or single:<type>", name)
+        inner = name.removeprefix("base:")
+        if inner not in known and not inner.startswith("single:"):
+            raise ConfigError(
+                None, "--schedulers", f"names among {known}, single:<type> or base:<name>", name
+            )
 
 
-def plan_metrics(plan: Plan) -> dict[str, Any]:
-    """The comparison columns of one plan (what a trial reports)."""
+def _is_rl(name: str) -> bool:
+    return name.removeprefix("base:") == "rl"
+
+
+def plan_metrics(plan: Plan, problem: Problem) -> dict[str, Any]:
+    """The comparison columns of one plan of `problem` (what a trial reports): cost (inf where it misses
+    the floor), throughput and feasible under the problem's model, base_* under the base model of
+    DESIGN.md §3 (the same numbers for a problem without runtime terms)."""
+    base = plan.evaluate(base_model(problem))
     return {
         "cost": float(plan.cost) if plan.feasible else math.inf,
         "throughput": float(plan.throughput),
         "cost_rate": float(plan.cost_rate),
         "feasible": bool(plan.feasible),
+        "base_cost": float(base.cost) if base.feasible else math.inf,
+        "base_throughput": float(base.throughput),
+        "base_feasible": bool(base.feasible),
+        "scheduled_with": "base" if plan.scheduler.startswith("base:") else "true",
         "seconds": float(plan.seconds),
         "plans_evaluated": int(plan.plans_evaluated),
         "assignment": " ".join(plan.assignment),
@@ -245,7 +278,12 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
 
 
 def make_scheduler(name: str, *, seed: int = 0, budget_s: float | None = None, **options: Any) -> Scheduler:
-    """A scheduler by registry name; "single" is the best single-type plan over all types."""
+    """A scheduler by registry name; "single" is the best single-type plan over all types;
+    "base:<name>" that scheduler on the base model (scheduling.BaseModelScheduler)."""
+    if name.startswith("base:"):
+        return BaseModelScheduler(
+            make_scheduler(name.removeprefix("base:"), seed=seed, budget_s=budget_s, **options)
+        )
     if name == "single":
         from heterps_ray.scheduling.baselines import SingleTypeScheduler
 
@@ -271,23 +309,27 @@ def _schedule_trial(
     from ray import tune
 
     name = config["scheduler"]
+    problem = cases[config["case"]].problem
     try:
-        plan = make_scheduler(name, seed=seed, budget_s=budget_s, **options.get(name, {})).schedule(
-            cases[config["case"]].problem
-        )
+        settings = options.get(name.removeprefix("base:"), {})  # base:rl takes rl's options
+        plan = make_scheduler(name, seed=seed, budget_s=budget_s, **settings).schedule(problem)
     except HeterPSError as exc:  # e.g. "single" where no type runs every layer: a result, not a crash
-        tune.report(_no_plan(str(exc)))
+        tune.report(_no_plan(str(exc), name))
         return
-    tune.report(plan_metrics(plan))
+    tune.report(plan_metrics(plan, problem))
 
 
-def _no_plan(error: str) -> dict[str, Any]:
+def _no_plan(error: str, scheduler: str) -> dict[str, Any]:
     """The metrics of a scheduler that cannot plan a case at all."""
     return {
         "cost": math.inf,
         "throughput": 0.0,
         "cost_rate": math.nan,
         "feasible": False,
+        "base_cost": math.inf,
+        "base_throughput": 0.0,
+        "base_feasible": False,
+        "scheduled_with": "base" if scheduler.startswith("base:") else "true",
         "seconds": 0.0,
         "plans_evaluated": 0,
         "assignment": "",

@@ -381,6 +381,8 @@ def _runtime_terms(
     probes = measurements[measurements["kind"] == "probe"]
     if probes.empty:
         return terms
+    # several profiles together (before and after something): each probe's median
+    probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)["ms"].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
     rows_per_batch = (
         sum(layer["sparse_rows_per_sample"] for layer in problem["layers"]) * problem["batch_size"]

@@ -41,8 +41,8 @@ def _register_train(subparsers: Any) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in output_dir from its newest valid checkpoint (in sync mode also "
-        "under another plan)",
+        help="continue the run in output_dir from its newest valid checkpoint, also under another plan "
+        "(sync mode: with as many DataWorkers)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)

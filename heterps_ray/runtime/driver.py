@@ -65,6 +65,12 @@ CHUNK_STEPS = 20  # batches per DataWorker in the first chunk, and the fewest in
 # Later chunks last about this long: between chunks the driver gathers stats, tracks, checks the
 # cluster and the DataWorkers idle; at 20 batches a chunk that cost 8% of a one-stage plan's time.
 CHUNK_SECONDS = 1.0
+# Closed loop (`heterps run`): the steady rate is compared with the floor once, after the warm-up
+# chunk and at least FLOOR_CHUNKS more chunks lasting FLOOR_WINDOW_S seconds together (about
+# three of the CHUNK_SECONDS chunks: enough batches that one slow chunk does not decide alone).
+FLOOR_CHUNKS = 2
+FLOOR_WINDOW_S = 3.0
+FLOOR_SHORTFALL = 0.9  # a steady rate under this fraction of the floor misses it (10% slack for noise)
 _EVAL_BATCH = 4096  # rows per evaluation micro-batch
 _READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
 _SETTLE_TIMEOUT_S = 60.0  # after a fault: a DataWorker still busy by then is taken for hung
@@ -114,6 +120,20 @@ class RunSummary:
         return write_bytes_atomic(path, (self.to_json() + "\n").encode())
 
 
+class FloorMissed(Exception):
+    """The run's steady throughput after warm-up fell more than 10% short of the floor; training
+    stopped at `checkpoint` (None: at the start) after `step` batches, so that `heterps run` can refit
+    the model on `achieved` (samples/s), re-plan and resume."""
+
+    def __init__(self, achieved: float, floor: float, step: int, checkpoint: Path | None, seconds: float):
+        self.achieved, self.floor, self.step, self.checkpoint = achieved, floor, step, checkpoint
+        self.seconds = seconds  # steady seconds the rate was measured over
+        super().__init__(
+            f"steady throughput {achieved:,.0f} samples/s at step {step} is under {FLOOR_SHORTFALL:.0%} of "
+            f"the floor of {floor:,.0f} samples/s"
+        )
+
+
 def steady_rate(chunks: list[tuple[int, float]]) -> float | None:
     """Samples/s over the chunks after the first: the rate a long run sustains, without the warm-up
     (actors' first calls, the first data chunk read). None with fewer than 3 chunks."""
@@ -135,6 +155,7 @@ def train(
     resume: bool = False,
     on_chunk: Callable[[LiveActors], None] | None = None,
     elastic: bool = False,
+    floor: float | None = None,
 ) -> RunSummary:
     """Run `plan` (a :class:`heterps_ray.scheduling.Plan`) for `job` on Ray and return its summary.
 
@@ -142,11 +163,14 @@ def train(
     an embedded local Ray with the cluster's resource types as custom resources (stopped at the end).
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
     `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (a checkpoint of
-    another plan works too in sync mode: dense state is keyed by layer, PS rows are re-sharded).
+    another plan with as many DataWorkers works too, in both modes: dense weights and optimizer state
+    go by layer name, wherever the old or the new plan keeps them, and PS rows are re-sharded).
     A dead actor is re-created and the run rolls back to its newest checkpoint (else its start) and
     replays, at most ``runtime.max_restarts`` times. `on_chunk` is called between chunks with the
     live actors. `elastic`: raise :class:`~heterps_ray.runtime.elastic.ResourcesChanged` (after a
-    checkpoint) when the cluster's resource types change.
+    checkpoint) when the cluster's resource types change. `floor` (samples/s): once the warm-up is
+    over (see FLOOR_WINDOW_S), raise :class:`FloorMissed` (after a checkpoint) when the steady rate is
+    under FLOOR_SHORTFALL of it.
     """
     model = build_model(job.model)
     stages = resolve_stages(plan, model, job, plan_file)
@@ -172,7 +196,7 @@ def train(
     try:
         placement = run.start()
         if start:
-            run.restore(start["directory"])
+            run.restore(start["directory"], remap=start["plan_changed"])
         target = steps or job.runtime.train_steps
         saver = (
             _CheckpointSaver(output_dir, job.runtime.checkpoint_every, plan_dict, num_shards)
@@ -181,7 +205,7 @@ def train(
         )
         if save:
             tracker = RunTracker(output_dir, mlflow=job.runtime.mlflow, run_name=job.name)
-        history = run.train(target, progress, start, saver, on_chunk, elastic, tracker)
+        history = run.train(target, progress, start, saver, on_chunk, elastic, tracker, floor)
         metrics = run.evaluate(eval_files)
         if tracker is not None:
             tracker.log_final({f"eval/{k}": float(metrics[k]) for k in ("auc", "logloss") if k in metrics})
@@ -206,6 +230,7 @@ def train(
             output_dir=str(output_dir) if save else None,
             extra={
                 "chunks": history["chunks"],
+                "floor_check": history["floor_check"],  # with train(floor=...): the steady rate checked
                 "data_wait_s": run.data_wait(),
                 "faults": [asdict(f) for f in run.faults],
                 "restarts": run.restarts,
@@ -273,6 +298,7 @@ class _Run:
         # directory or the in-memory start state
         self._recovery: dict[str, Any] = {}
         self._progress: dict[int, dict[str, int]] = {}  # per DataWorker, at the last chunk boundary
+        self._remapped: set[Path] = set()  # async checkpoints of another plan (restored by layer name)
 
     def _settings(self, stage: StageSpec) -> WorkerSettings:
         rtype = self.job.cluster.type(stage.type)
@@ -421,13 +447,17 @@ class _Run:
         on_chunk: Callable[[LiveActors], None] | None = None,
         elastic: bool = False,
         tracker: RunTracker | None = None,
+        floor: float | None = None,
     ) -> dict[str, Any]:
         """Drive the DataWorkers chunk by chunk until `target` batches (or the data) are done, from
         `start` (a resumed checkpoint's steps, samples and losses), checkpointing through `saver`;
-        recover from actor deaths; with `elastic`, stop at a checkpoint when resource types change."""
+        recover from actor deaths; with `elastic`, stop at a checkpoint when resource types change;
+        with a `floor`, stop at a checkpoint when the steady rate misses it (FloorMissed)."""
         from tqdm import tqdm
 
         start = start or {}
+        floor_value = float(floor or 0.0)
+        floor_check: dict[str, Any] | None = None  # the closed loop's comparison, once it is made
         total = target if target is not None else self._batches_available()
         bar = tqdm(
             total=total,
@@ -463,6 +493,15 @@ class _Run:
                             done,
                             self._checkpoint_now(saver, done, samples, losses),
                         )
+                if floor and _floor_due(chunks):
+                    rate, window = steady_rate(chunks) or 0.0, sum(c[1] for c in chunks[1:])
+                    floor = None  # compared once per run
+                    met = rate >= FLOOR_SHORTFALL * floor_value
+                    floor_check = {"step": done, "achieved": rate, "floor": floor_value, "met": met}
+                    floor_check["seconds"] = window
+                    if not met:
+                        checkpoint = self._checkpoint_now(saver, done, samples, losses)
+                        raise FloorMissed(rate, floor_value, done, checkpoint, window)
                 per = chunk_steps
                 if target is not None:
                     per = min(per, math.ceil((target - done) / len(active)))
@@ -490,6 +529,9 @@ class _Run:
                     stats = self._stage_stats()
                     if on_chunk is not None:
                         on_chunk(LiveActors(done, self.shards, self.data_workers, self.stage_workers))
+                    # inside the handler too: an actor (hosted shards: DataWorker 0) whose node goes
+                    # away between chunks is recovered (or re-planned), not an error of the run
+                    ps_now = self.ps_stats() if tracker is not None else []
                 except Exception as exc:
                     if not is_actor_death(exc):
                         raise
@@ -516,7 +558,6 @@ class _Run:
                     + "/".join(str(q) for q in _peak_queues(stats, self.stages))
                 )
                 if tracker is not None:
-                    ps_now = self.ps_stats()
                     tracker.log_scalars(done, _chunk_scalars(results, chunk_samples, interval, busy,
                                                              _peak_queues(stats, self.stages), ps_prev, ps_now))  # fmt: skip
                     ps_prev = ps_now
@@ -535,6 +576,7 @@ class _Run:
             "stages": stages,
             "chunks": chunks,
             "positions": {i: p["position"] for i, p in self._progress.items()},
+            "floor_check": floor_check,
         }
 
     def _checkpoint_now(
@@ -546,7 +588,12 @@ class _Run:
             return source
         if saver is None or done == 0:
             return source if isinstance(source, Path) else None
-        return saver.save(self, done, samples, losses)
+        try:
+            return saver.save(self, done, samples, losses)
+        except Exception as exc:  # actors of a type that left died with its node: the last point
+            if not is_actor_death(exc):
+                raise
+            return source if isinstance(source, Path) else None
 
     def _mark_recovery(self, done: int, samples: int, losses: list[float], source: Any) -> None:
         self._recovery = {
@@ -721,15 +768,25 @@ class _Run:
             ray.wait(snapshots, num_returns=len(snapshots), timeout=_READY_TIMEOUT_S)
             raise
 
-    def restore(self, directory: Path) -> None:
-        """Load a verified checkpoint into freshly started actors (any plan of the same model in sync
-        mode: dense state goes by layer name, PS rows are re-sharded when the shard count differs)."""
+    def restore(self, directory: Path, remap: bool = False) -> None:
+        """Load a verified checkpoint into freshly started actors. `remap`: the checkpoint is of
+        another plan with as many DataWorkers. Sync mode: dense state goes by layer name, PS rows are
+        re-sharded when the shard count differs. Async mode: the same, and the dense weights with
+        their Adam moments move between the workers and the PS by layer name, wherever each plan
+        keeps a stage's weights (a replicated stage on a PS shard, a single replica in its worker;
+        stage/dense_home)."""
+        if remap and self.job.mode == "async":
+            self._remapped.add(Path(directory))  # a fault later rolls back to it the same way
         self._restore_shards(Path(directory))
         self._restore_actors(Path(directory))
 
     def _restore_shards(self, source: Any) -> None:
         if isinstance(source, dict):
             ray.get([s.load_state.remote(st) for s, st in zip(self.shards, source["shards"], strict=True)])
+            return
+        if isinstance(source, Path) and source in self._remapped:
+            states = self._remapped_shard_states(source)
+            ray.get([s.load_state.remote(st) for s, st in zip(self.shards, states, strict=True)])
             return
         files = sorted(source.glob("ps-shard-*.npz"))
         if len(files) == self.num_shards:
@@ -740,7 +797,12 @@ class _Run:
 
     def _restore_actors(self, source: Any) -> None:
         owners = self._trained_actors()
-        if isinstance(source, dict):
+        if isinstance(source, Path) and source in self._remapped:
+            layers = _layer_states(source)
+            ray.get(
+                [a.load_train_state.remote(self._actor_state(source, n, layers)) for n, a in owners.items()]
+            )
+        elif isinstance(source, dict):
             ray.get([a.load_train_state.remote(source["actors"][name]) for name, a in owners.items()])
         else:
             saved = {
@@ -759,6 +821,71 @@ class _Run:
         if self.job.mode == "async":  # replicas take the restored weights from the PS
             ray.get([w.refresh.remote() for _, _, _, w in self._all_actors()[self.num_shards :]])
 
+    def _remapped_shard_states(self, source: Path) -> list[dict[str, np.ndarray]]:
+        """States of this plan's PS shards from an async checkpoint of another plan: the sparse rows
+        re-sharded, and a dense table (weights, Adam moments, version) for each stage this plan keeps
+        on a PS shard, built by layer name from wherever the checkpoint kept those layers."""
+        old = [read_npz(f) for f in sorted(source.glob("ps-shard-*.npz"))]
+        sparse = [{k: v for k, v in st.items() if not k.startswith("dense/")} for st in old]
+        states = reshard_states(sparse, self.num_shards)
+        dense = _layer_states(source)
+        for stage in self.stages:
+            if self._dense_ps(stage) is None:
+                continue
+            table = f"dense/{dense_table_name(stage.index)}"
+            layers = [layer.name for layer in self.model.layers[stage.start : stage.end]]
+            names = [n for n in dense if any(n.startswith(f"{layer}.") for layer in layers)]
+            state = states[stage.index % self.num_shards]
+            state[f"{table}/version"] = np.array(
+                max((int(dense[n].get("step", 0)) for n in names), default=0)
+            )
+            for n in names:
+                param = np.asarray(dense[n]["param"], dtype=np.float32)
+                state[f"{table}/param/{n}"] = param
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    value = dense[n].get(moment, np.zeros_like(param))
+                    state[f"{table}/{moment}/{n}"] = np.asarray(value, dtype=np.float32)
+        return states
+
+    def _actor_state(
+        self, source: Path, name: str, dense: dict[str, dict[str, np.ndarray]]
+    ) -> dict[str, Any]:
+        """What `load_train_state` of this plan's actor `name` takes, from an async checkpoint of
+        another plan: every layer's weights (and Adam state, for weights kept in the worker), plus a
+        DataWorker's own position in its data."""
+        state: dict[str, Any] = {}
+        for n, entry in dense.items():
+            state[f"param/{n}"] = entry["param"]
+            if self.job.optimizer.dense == "adam" and "exp_avg" in entry:
+                state[f"optim/{n}/exp_avg"] = entry["exp_avg"]
+                state[f"optim/{n}/exp_avg_sq"] = entry["exp_avg_sq"]
+                state[f"optim/{n}/step"] = np.array(float(entry.get("step", 0)), dtype=np.float32)
+        if name.startswith("data-"):
+            state.update(self._data_position(source, int(name[len("data-") : -len(".npz")])))
+        return state
+
+    def _data_position(self, source: Path, index: int) -> dict[str, np.ndarray]:
+        """Where this plan's DataWorker `index` resumes in its data, from an async checkpoint of
+        another plan: its own position when the checkpoint has as many DataWorkers; else (async only,
+        other counts are refused in sync mode) the same fraction of its own batches as all old
+        DataWorkers had done of theirs: the partitions differ, so some rows are seen once more and as
+        many not at all, which async training (no promise of the sync result) accepts."""
+        saved = [read_npz(p) for p in sorted(source.glob("data-*.npz"))]
+        if len(saved) == self.num_workers:
+            return {k: v for k, v in saved[index].items() if k.startswith("data/")}
+        if not saved:
+            raise DataError(f"{source}: no data-*.npz (DataWorker positions) in the checkpoint")
+        done = sum(int(st["data/batch_index"]) for st in saved)
+        fraction = done / max(self._batches_available(len(saved)), 1)
+        skip = int(fraction * self._worker_batches(index, self.num_workers))
+        updates = sum(int(st.get("data/updates", st["data/batch_index"])) for st in saved)
+        return {
+            "data/batch_index": np.array(skip, dtype=np.int64),
+            "data/counter": np.array(max(int(st["data/counter"]) for st in saved), dtype=np.int64),
+            "data/samples": np.array(skip * self.job.batch_size, dtype=np.int64),
+            "data/updates": np.array(round(updates / self.num_workers), dtype=np.int64),
+        }
+
     def _trained_actors(self) -> dict[str, Any]:
         """Checkpoint file name -> actor with dense weights and optimizer state."""
         owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
@@ -776,14 +903,18 @@ class _Run:
 
     # -- stats, evaluation, model -----------------------------------------------------------------
 
-    def _batches_available(self) -> int:
+    def _batches_available(self, workers: int | None = None) -> int:
+        """Batches all DataWorkers train in the job's epochs (`workers` of them; default this plan's)."""
+        n = workers or self.num_workers
+        return sum(self._worker_batches(i, n) for i in range(n))
+
+    def _worker_batches(self, index: int, workers: int) -> int:
+        """Batches DataWorker `index` of `workers` trains in the job's epochs (its files: every
+        `workers`-th train partition from `index` on, as _new_data_worker gives them)."""
         import pyarrow.parquet as pq
 
-        total = 0
-        for i in range(self.num_workers):
-            rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files[i :: self.num_workers])
-            total += rows // self.job.batch_size * self.job.runtime.epochs
-        return total
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files[index::workers])
+        return rows // self.job.batch_size * self.job.runtime.epochs
 
     def _stage_stats(self) -> list[list[dict[str, Any]]]:
         refs = [[w.stats.remote() for w in self.data_workers]] + [
@@ -839,7 +970,9 @@ class _Run:
 
     def shutdown(self) -> None:
         # compiled chains first: their actors' loops end cleanly before the actors are killed
-        ray.wait([w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10)
+        ray.wait(
+            [w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10
+        )
         for *_, actor in self._all_actors():
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
@@ -909,6 +1042,33 @@ class _ReplacementWait:
             ) from cause
 
 
+def _layer_states(source: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Whole-model parameter name -> its "param" and, where the checkpoint has them, "exp_avg",
+    "exp_avg_sq" and "step" (Adam), from an async checkpoint of any plan: the workers' files for
+    weights they kept, the PS shards' dense tables (authoritative: a replica's copy may be stale)."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for path in sorted(source.glob("*.npz")):
+        if path.name.startswith("ps-"):
+            continue
+        for key, value in read_npz(path).items():
+            if key.startswith("param/"):
+                out.setdefault(key[len("param/") :], {})["param"] = value
+            elif key.startswith("optim/"):
+                name, field_name = key[len("optim/") :].rsplit("/", 1)
+                out.setdefault(name, {})[field_name] = value
+    for path in sorted(source.glob("ps-shard-*.npz")):
+        state = read_npz(path)
+        for key, value in state.items():
+            parts = key.split("/", 3)
+            if parts[0] != "dense" or len(parts) != 4:
+                continue
+            _, table, field_name, name = parts
+            entry = out.setdefault(name, {})
+            entry[field_name] = value
+            entry["step"] = np.asarray(state[f"dense/{table}/version"])
+    return out
+
+
 def _shard_file(index: int) -> str:
     return f"ps-shard-{index:05d}.npz"
 
@@ -957,20 +1117,23 @@ def _check_checkpointing(job: JobConfig, resume: bool, save: bool) -> None:
 
 
 def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int, mode: str) -> dict[str, Any]:
-    """The newest valid checkpoint of `output_dir`, checked against this run's plan: in sync mode any
-    plan with as many DataWorkers (stage 0 replicas); in async mode the same stages and shards."""
+    """The newest valid checkpoint of `output_dir`, checked against this run's plan. Sync mode: any
+    plan with as many DataWorkers (stage 0 replicas; each resumes its own partitions at its own
+    position, so the result equals an uninterrupted run). Async mode: any plan (a different DataWorker
+    count resumes at the same fraction of the data, see :meth:`_Run._data_position`). Dense state and
+    PS rows are plan-independent, see :meth:`_Run.restore`."""
     directory, manifest, skipped = latest_training_checkpoint(output_dir)
     stages = json.loads(json.dumps(_jsonable(plan.get("stages"))))
     saved = (manifest.get("plan") or {}).get("stages") or []
     same = saved == stages and manifest.get("ps_shards") == num_shards
     workers = stages[0]["replicas"] if stages else None
-    if not same and (mode != "sync" or not saved or saved[0].get("replicas") != workers):
+    if not same and (not saved or (mode == "sync" and saved[0].get("replicas") != workers)):
         raise ConfigError(
             str(directory / MANIFEST),
             "plan",
-            "the stages and PS shard count the checkpoint was written with "
-            f"({manifest.get('ps_shards')} shards), or in sync mode any plan with as many DataWorkers",
-            f"different stages or {num_shards} shards",
+            f"in sync mode, a plan with as many DataWorkers (stage 0 replicas: "
+            f"{saved[0].get('replicas') if saved else '?'}) as the checkpoint was written with",
+            f"{workers} DataWorkers",
         )
     return {
         "directory": directory,
@@ -980,6 +1143,12 @@ def _resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int, mode:
         "skipped": skipped,
         "plan_changed": not same,
     }
+
+
+def _floor_due(chunks: list[tuple[int, float]]) -> bool:
+    """Enough steady chunks (after the warm-up one) to compare the run's rate with its floor."""
+    steady = chunks[1:]
+    return len(steady) >= FLOOR_CHUNKS and sum(c[1] for c in steady) >= FLOOR_WINDOW_S
 
 
 def _busy_fractions(

@@ -1,5 +1,6 @@
 """Elastic training: notice that the Ray cluster's resource types changed, stop at a checkpoint, and
-restrict the planning problem to the types present so `heterps run` can re-plan and resume.
+restrict the planning problem to the types present so `heterps run` can re-plan and resume. A type
+that joins and was not profiled at the start is profiled when it joins (:func:`profile_joined_types`).
 
 The driver checks :func:`present_types` once per chunk (one GCS call). A type of the plan that
 disappears, or a declared type that appears, raises :class:`ResourcesChanged`; so does an actor
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from heterps_ray.config import ClusterConfig
+from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.errors import InfeasibleError
 
 
@@ -68,3 +69,38 @@ def restrict_problem(problem: Any, types: list[str]) -> Any:
                 f"layer {layer['name']!r} can run on none of the resource types present now ({types})", 0.0
             )
     return problem_from_dict(data)
+
+
+def profile_joined_types(
+    job: JobConfig, problem: Any, types: list[str], settings: Any
+) -> tuple[Any, list[str]]:
+    """`problem` with the `types` it has no profile of (they joined the cluster mid-run) measured now on
+    real actors, with the same `settings` (a ProfileSettings) as the first profile, and their fitted
+    entries merged in: each layer's time_ms on them and their resource entry (bandwidth and latency
+    from transfers to their own kind and to the PS type, read rate, per-call work). The PS type is
+    profiled beside them (its actors host the PS run and the other end of the transfers; a PS shard on
+    a joined type could find no slot beside its two profiling actors) but its entries, like every
+    other type's, the PS service rate and the parallel fractions, stay as first measured. Returns the
+    problem and the types profiled (none when no type joined, or the PS type is gone: no plan then)."""
+    from heterps_ray.costmodel import problem_from_dict
+    from heterps_ray.models import build_model
+    from heterps_ray.profiling.profiler import fit_runs, measure
+
+    joined = [t for t in types if t not in problem.type_names]
+    if not joined or problem.ps_resource not in types:
+        return problem, []
+    measured = [problem.ps_resource, *joined]
+    cluster = job.cluster.model_copy(
+        update={
+            "resource_types": [job.cluster.type(t) for t in measured],
+            "ps": job.cluster.ps.model_copy(update={"resource": problem.ps_resource}),
+        }
+    )
+    both = job.model_copy(update={"cluster": cluster})
+    fitted = fit_runs(both, [measure(both, build_model(job.model), settings)], settings).problem
+    data = problem.to_dict()
+    data["resources"] += [r for r in fitted["resources"] if r["name"] in joined]
+    by_name = {layer["name"]: layer for layer in fitted["layers"]}
+    for layer in data["layers"]:
+        layer["time_ms"].update({t: v for t, v in by_name[layer["name"]]["time_ms"].items() if t in joined})
+    return problem_from_dict(data), joined

@@ -9,7 +9,9 @@ name and must accept the keyword arguments `seed` and `budget_s` (they may ignor
 
     plan = get_scheduler("mine", seed=1).schedule(problem)
 
-`single:<type>` names the single-type baseline for that type. The RL scheduler lives in
+`single:<type>` names the single-type baseline for that type; `base:<name>` runs scheduler `<name>` on
+the base model of DESIGN.md §3 (the problem without its `runtime` section) and prices its plan as the
+problem describes the runtime (§3b): what ignoring the runtime terms costs. The RL scheduler lives in
 heterps_ray.scheduling.rl and registers itself as "rl" when imported; `get_scheduler("rl")`
 imports it.
 """
@@ -22,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from heterps_ray.costmodel import Problem
+from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.plan import Plan
 
@@ -58,21 +60,58 @@ def register_scheduler(name: str) -> Callable[[F], F]:
 
 def get_scheduler(name: str, **kwargs: Any) -> Scheduler:
     """A scheduler by name: rl, exact, brute, greedy, genetic, random, single (the best
-    single-type plan) or single:<type>.
+    single-type plan), single:<type>, or base:<name> (that scheduler on the base model).
 
     `kwargs` (typically seed, budget_s) go to its factory.
     """
     _import_builtins()
     for option in ("budget_s", "finetune_s"):
         _check_seconds(option, kwargs.get(option))
+    if name.startswith("base:"):
+        return BaseModelScheduler(get_scheduler(name.removeprefix("base:"), **kwargs))
     if name.startswith("single:"):
         return _REGISTRY["single"](type_name=name.split(":", 1)[1], **kwargs)
     if name not in _REGISTRY and name in _OPTIONAL_MODULES:
         importlib.import_module(_OPTIONAL_MODULES[name])
     if name not in _REGISTRY:
         known = sorted(set(_REGISTRY) | set(_OPTIONAL_MODULES))
-        raise ConfigError(None, "scheduler", f"one of {known} or single:<type>", name)
+        raise ConfigError(None, "scheduler", f"one of {known}, single:<type> or base:<name>", name)
     return _REGISTRY[name](**kwargs)
+
+
+def base_model(problem: Problem) -> Problem:
+    """`problem` priced by the base model of DESIGN.md §3: without its runtime section (§3b)."""
+    return problem.model_copy(update={"runtime": None})
+
+
+class BaseModelScheduler(Scheduler):
+    """`inner` schedules the base model of `problem` (base_model); the plan it returns is priced by
+    `problem`'s own model, with `extra` keeping what the base model promised (base_throughput,
+    base_cost). On a problem without runtime terms it is `inner` itself."""
+
+    def __init__(self, inner: Scheduler):
+        if isinstance(inner, BaseModelScheduler):
+            raise ConfigError(None, "scheduler", "base:<name> with one base: prefix", f"base:{inner.name}")
+        self.inner = inner
+        self.name = f"base:{inner.name}"
+
+    def schedule(self, problem: Problem) -> Plan:
+        planned = self.inner.schedule(base_model(problem))
+        evaluation = CostModel(problem).evaluate(
+            list(planned.assignment), planned.replicas, planned.ps_shards
+        )
+        return Plan.from_evaluation(
+            problem,
+            evaluation,
+            self.name,
+            seconds=planned.seconds,
+            plans_evaluated=planned.plans_evaluated,
+            extra={
+                **planned.extra,
+                "base_throughput": planned.throughput if math.isfinite(planned.throughput) else None,
+                "base_cost": planned.cost if math.isfinite(planned.cost) else None,
+            },
+        )
 
 
 def _check_seconds(field: str, value: Any) -> None:

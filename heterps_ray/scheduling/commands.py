@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 DEFAULT_SCHEDULER = "rl"  # the shipped pretrained policy, zero-shot (issue 8)
+BASE_OPTIMUM = "base:exact"  # the base model's exact optimum (DESIGN.md §3), priced by the true model
 
 
 def register(subparsers: Any) -> None:
@@ -22,7 +23,8 @@ def register(subparsers: Any) -> None:
         "--scheduler",
         default=DEFAULT_SCHEDULER,
         metavar="NAME",
-        help=f"rl, exact, brute, greedy, genetic, random, single or single:<type> (default {DEFAULT_SCHEDULER})",
+        help=f"rl, exact, brute, greedy, genetic, random, single, single:<type>, or base:<name> (<name> "
+        f"on the base model, ignoring the problem's runtime section) (default {DEFAULT_SCHEDULER})",
     )
     plan.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
     plan.add_argument(
@@ -46,7 +48,10 @@ def register(subparsers: Any) -> None:
         "compare",
         help="run every scheduler on a problem, side by side",
         description="Cost, ratio to the exact optimum, throughput, feasibility and seconds of every "
-        "registered scheduler (and every single-type plan).",
+        "registered scheduler (and every single-type plan). For a problem with a runtime section "
+        "(DESIGN.md §3b) each plan is priced under that true model and under the base model (base_cost, "
+        "base_throughput), the base model's exact optimum (base:exact) is added, and a last line names "
+        "the plan cheapest under the true model.",
     )
     compare.add_argument("--problem", required=True, metavar="FILE")
     compare.add_argument(
@@ -100,6 +105,8 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         names = ["exact"] + [n for n in available_schedulers() if n not in ("exact", "brute", "single")]
         names += [f"single:{t}" for t in problem.types_running_all_layers()]
+    if problem.runtime is not None and BASE_OPTIMUM not in names:
+        names.insert(1, BASE_OPTIMUM)  # what the exact optimum of the base model is worth in the runtime
     unable = [t for t in problem.type_names if t not in problem.types_running_all_layers()]
     rows: list[dict[str, Any]] = []
     exact_cost = math.nan
@@ -107,19 +114,7 @@ def _compare(args: argparse.Namespace) -> int:
         plan = get_scheduler(name, seed=args.seed, budget_s=args.budget_s).schedule(problem)
         if name == "exact":
             exact_cost = plan.cost if plan.feasible else math.nan
-        rows.append(
-            {
-                "scheduler": name,
-                "cost": plan.cost,
-                "ratio_to_exact": plan.cost / exact_cost if plan.feasible and exact_cost > 0 else math.nan,
-                "throughput": plan.throughput,
-                "cost_rate": plan.cost_rate,
-                "feasible": plan.feasible,
-                "seconds": plan.seconds,
-                "plans_evaluated": plan.plans_evaluated,
-                "assignment": list(plan.assignment),
-            }
-        )
+        rows.append(compare_row(problem, plan, exact_cost))
     print(_compare_table(problem, rows, unable))
     if "rl" not in names and not args.schedulers:
         print("rl: not compared (heterps_ray.scheduling.rl is not installed in this build)", file=sys.stderr)
@@ -131,24 +126,105 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_row(problem: Any, plan: Any, exact_cost: float) -> dict[str, Any]:
+    """One row of `heterps compare`: the plan under the problem's own model (`cost`, `throughput`, ...)
+    and, for a problem with runtime terms (DESIGN.md §3b), under the base model of §3 (`base_cost`,
+    `base_throughput`, `base_feasible`), with `scheduled_with` naming the model its scheduler optimised.
+    `ratio_to_exact` compares `cost` with `exact_cost`, the exact optimum of the problem's own model."""
+    from heterps_ray.scheduling import base_model
+
+    row: dict[str, Any] = {
+        "scheduler": plan.scheduler,
+        "cost": plan.cost,
+        "ratio_to_exact": plan.cost / exact_cost if plan.feasible and exact_cost > 0 else math.nan,
+        "throughput": plan.throughput,
+        "cost_rate": plan.cost_rate,
+        "feasible": plan.feasible,
+        "seconds": plan.seconds,
+        "plans_evaluated": plan.plans_evaluated,
+        "assignment": list(plan.assignment),
+        "replicas": plan.replicas,
+        "ps_shards": plan.ps_shards,
+    }
+    if problem.runtime is not None:
+        true = plan.evaluate(problem)
+        base = plan.evaluate(base_model(problem))
+        row.update(
+            scheduled_with="base" if plan.scheduler.startswith("base:") else "true",
+            bound=true.bound,
+            base_cost=base.cost,
+            base_throughput=base.throughput,
+            base_feasible=base.feasible,
+        )
+    return row
+
+
 def _compare_table(problem: Any, rows: list[dict[str, Any]], unable: list[str]) -> str:
+    runtime = problem.runtime is not None
     lines = [
         f"problem {problem.name!r}: floor {problem.throughput_min:,.0f} samples/s, {problem.samples:,.0f} samples"
     ]
-    header = (
-        f"{'scheduler':<14} {'cost ($)':>12} {'ratio to exact':>15} {'throughput (samples/s)':>23} "
-        f"{'$/h':>9} {'feasible':>9} {'seconds':>9}"
-    )
+    if runtime:
+        lines.append(
+            "true model: the problem's runtime section (DESIGN.md §3b); base model: without it (§3); "
+            "'scheduled with' names the model each scheduler optimised"
+        )
+        header = (
+            f"{'scheduler':<14} {'scheduled with':>14} {'cost ($)':>12} {'ratio to exact':>15} "
+            f"{'throughput (samples/s)':>23} {'base cost ($)':>14} {'base throughput':>16} "
+            f"{'$/h':>9} {'feasible':>9} {'bound':>8} {'seconds':>9}"
+        )
+    else:
+        header = (
+            f"{'scheduler':<14} {'cost ($)':>12} {'ratio to exact':>15} {'throughput (samples/s)':>23} "
+            f"{'$/h':>9} {'feasible':>9} {'seconds':>9}"
+        )
     lines += [header, "-" * len(header)]
     for r in rows:
         ratio = "-" if math.isnan(r["ratio_to_exact"]) else f"{r['ratio_to_exact']:.4f}"
-        lines.append(
-            f"{r['scheduler']:<14} {r['cost']:>12,.4f} {ratio:>15} {r['throughput']:>23,.0f} "
-            f"{r['cost_rate']:>9.3f} {'yes' if r['feasible'] else 'NO':>9} {r['seconds']:>9.2f}"
-        )
+        feasible = "yes" if r["feasible"] else "NO"
+        if runtime:
+            lines.append(
+                f"{r['scheduler']:<14} {r['scheduled_with']:>14} {r['cost']:>12,.4f} {ratio:>15} "
+                f"{r['throughput']:>23,.0f} {r['base_cost']:>14,.4f} {r['base_throughput']:>16,.0f} "
+                f"{r['cost_rate']:>9.3f} {feasible:>9} {r['bound']:>8} {r['seconds']:>9.2f}"
+            )
+        else:
+            lines.append(
+                f"{r['scheduler']:<14} {r['cost']:>12,.4f} {ratio:>15} {r['throughput']:>23,.0f} "
+                f"{r['cost_rate']:>9.3f} {feasible:>9} {r['seconds']:>9.2f}"
+            )
     if unable:
         lines.append(f"(no single-type plan on {', '.join(unable)}: they cannot run every layer)")
+    if runtime:
+        lines.append(_cheapest_line(rows))
     return "\n".join(lines)
+
+
+def _cheapest_line(rows: list[dict[str, Any]]) -> str:
+    """Which schedulers' plans are cheapest under the true model, and what the base optimum is worth there."""
+    from heterps_ray.costmodel.analytic import FLOOR_RTOL
+
+    feasible = [r for r in rows if r["feasible"]]
+    if not feasible:
+        line = "under the true model no scheduler's plan meets the floor"
+    else:
+        best = min(r["cost"] for r in feasible)
+        winners = [r["scheduler"] for r in feasible if r["cost"] <= best * (1.0 + FLOOR_RTOL)]
+        line = f"cheapest under the true model: {', '.join(winners)} ({best:,.4f} $)"
+    base = next((r for r in rows if r["scheduler"] == BASE_OPTIMUM), None)
+    if base is not None:
+        verdict = (
+            f"{base['ratio_to_exact']:.4f} x the true optimum"
+            if base["feasible"] and not math.isnan(base["ratio_to_exact"])
+            else "misses the floor"
+        )
+        line += (
+            f"; the base model's optimum ({BASE_OPTIMUM}) promises {base['base_throughput']:,.0f} samples/s "
+            f"for {base['base_cost']:,.4f} $, and under the true model reaches {base['throughput']:,.0f} "
+            f"samples/s for {base['cost']:,.4f} $: {verdict}"
+        )
+    return line
 
 
 def _json_num(value: Any) -> Any:
@@ -165,12 +241,17 @@ def _raise_infeasible(problem: Any, file: str, best: float | None, scheduler: st
     if best is None:
         best = max_reachable_throughput(problem)
     if scheduler is not None and best >= problem.throughput_min * (1.0 - FLOOR_RTOL):
+        fix = (
+            f"drop the base: prefix ({scheduler!r} optimises the base model, without the problem's runtime "
+            "section)."
+            if scheduler.startswith("base:")
+            else f"give {scheduler!r} a larger --budget-s."
+        )
         # the scheduler missed plans that exist: say so, never "no plan meets the floor"
         raise InfeasibleError(
             f"{file}: scheduler {scheduler!r} found no plan that meets the floor throughput_min = "
             f"{problem.throughput_min:,.0f} samples/s, but such plans exist (the fastest reaches "
-            f"{best:,.0f} samples/s). Possible fixes: (1) --scheduler exact (the optimum) or rl; "
-            f"(2) give {scheduler!r} a larger --budget-s.",
+            f"{best:,.0f} samples/s). Possible fixes: (1) --scheduler exact (the optimum) or rl; (2) {fix}",
             best,
         )
     raise InfeasibleError(
