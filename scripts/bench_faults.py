@@ -21,10 +21,10 @@ from typing import Any
 import ray
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.data.layout import is_dataset
 from heterps_ray.data.synth import synthesize
 from heterps_ray.runtime.driver import train
-from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the fault-injection hook lives with the fault tests

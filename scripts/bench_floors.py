@@ -142,8 +142,9 @@ def _markdown(rows: list[dict[str, Any]], references: list[float]) -> str:
     for r in rows:
         achieved = r.get("achieved") or 0.0
         auc = f"{r['auc']:.4f}" if r.get("auc") is not None else "–"
+        plan = (r.get("plan") or "–").replace(" | ", " · ")  # the plan line's separators are the table's
         lines.append(
-            f"| {r['factor']:g}× | {r['floor']:,.0f} | {_verdict(r)} | {r.get('plan') or '–'} | "
+            f"| {r['factor']:g}× | {r['floor']:,.0f} | {_verdict(r)} | {plan} | "
             f"{r.get('predicted') or 0:,.0f} | {achieved:,.0f} | {achieved / r['floor']:.2f} | "
             f"{r.get('attempts', 0)} | {auc} |"
         )

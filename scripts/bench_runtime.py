@@ -154,8 +154,8 @@ def run_reference(args: argparse.Namespace) -> dict[str, Any]:
 def _run_pipeline(
     args: argparse.Namespace, mode: str, plan_name: str, runtime: dict[str, int]
 ) -> dict[str, Any]:
+    from heterps_ray.costmodel.plan import load_plan
     from heterps_ray.runtime.driver import train
-    from heterps_ray.scheduling.plan import load_plan
 
     plan = load_plan(REPO / "configs" / "plans" / f"{plan_name}.json")
     cpu = _CpuPerProcess()

@@ -162,11 +162,10 @@ def main() -> None:
     import ray
 
     from heterps_ray.config import load_job
-    from heterps_ray.costmodel import CostModel, load_problem
+    from heterps_ray.costmodel import CostModel, Plan, load_problem
     from heterps_ray.models import build_model
     from heterps_ray.runtime.driver import _dataset_files, _Run
     from heterps_ray.runtime.pipeline import resolve_stages
-    from heterps_ray.scheduling import Plan
 
     validation = _validation_module()
     from heterps_ray.data.layout import is_dataset

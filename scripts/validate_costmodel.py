@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,13 @@ def main() -> None:
     parser.add_argument("--batches-per-worker", type=int, default=2 * ROWS_PER_CHUNK // 512)
     parser.add_argument("--repeat-factor", type=int, default=1, help="profile repeats multiplier")
     parser.add_argument("--cases", nargs="*", type=int, default=None, help="indices of CASES to run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every plan this many times, the plans alternating (odd rounds in reverse order); the "
+        "measured figure is the median over rounds (the runtime's own rate varies run to run)",
+    )
     parser.add_argument(
         "--profile-each",
         action="store_true",
@@ -149,7 +157,9 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     cases = [CASES[i] for i in args.cases] if args.cases is not None else list(CASES)
-    for index, case in enumerate(cases):
+    order = [c for r in range(args.rounds) for c in (cases if r % 2 == 0 else cases[::-1])]
+    measured: dict[str, list[dict[str, Any]]] = {}
+    for index, case in enumerate(order):
         if problem_file is None or (args.profile_each and index > 0):
             problem_file = profiled(f"_{index}")
         plan = _plan(problem_file, case)
@@ -185,8 +195,15 @@ def main() -> None:
             "problem": str(problem_file),
         }
         row.update(_predict(problem_file, row))
-        rows.append(row)
+        measured.setdefault(case.name, []).append(row)
         _print_row(row)
+    for case in cases:  # the median round of each plan, with every round's rate beside it
+        runs = sorted(measured[case.name], key=lambda r: r["measured"])
+        row = dict(runs[(len(runs) - 1) // 2]) if len(runs) % 2 else dict(runs[len(runs) // 2 - 1])
+        row["measured"] = statistics.median(r["measured"] for r in runs)
+        row["measured_rounds"] = [r["measured"] for r in measured[case.name]]
+        row.update(_predict(Path(row["problem"]), row))
+        rows.append(row)
     if args.bracket and args.problem is None and not args.profile_each:
         problem_file = profiled("_bracketed", runs=2)
         for row in rows:
@@ -200,8 +217,7 @@ def main() -> None:
 
 def _plan(problem_file: Path, case: Any) -> Any:
     """The plan of a case, priced by the analytic model of the problem."""
-    from heterps_ray.costmodel import CostModel, load_problem
-    from heterps_ray.scheduling import Plan
+    from heterps_ray.costmodel import CostModel, Plan, load_problem
 
     problem = _executed(load_problem(problem_file), case)
     evaluation = CostModel(problem).evaluate(list(case.assignment), list(case.replicas), case.ps_shards)
@@ -301,6 +317,13 @@ def _write(output_dir: Path, rows: list[dict[str, Any]], problem_file: str, load
     print(table)
 
 
+def _spread(rounds: list[float] | None) -> str:
+    """The rounds' lowest and highest rate, in thousands."""
+    if not rounds or len(rounds) < 2:
+        return "–"
+    return f"{min(rounds) / 1000:.1f}k–{max(rounds) / 1000:.1f}k"
+
+
 def _span(layers: tuple[str, ...]) -> str:
     return layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
 
@@ -311,15 +334,16 @@ def _pct(values: list[float]) -> str:
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| plan | mode | K | ahead | load | measured, steady (samples/s) | model | error | bound | base model | error | simulator | error |",
-        "|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| plan | mode | K | ahead | load | measured, steady (samples/s) | rounds | model | error | bound | base model | error | simulator | error |",
+        "|---|---|---|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         load = r["load_average"]
         load_text = "–".join(f"{x:.1f}" for x in load) if isinstance(load, list) else f"{load:.1f}"
         lines.append(
             f"| {r['stages']} | {r['mode']} | {r['micro_batches']} | {r.get('batches_ahead', 0)} | {load_text} | "
-            f"{r['measured']:,.0f} | {r['analytic']:,.0f} | {r['analytic_error']:+.0%} | {r['bound']} | "
+            f"{r['measured']:,.0f} | {_spread(r.get('measured_rounds'))} | {r['analytic']:,.0f} | "
+            f"{r['analytic_error']:+.0%} | {r['bound']} | "
             f"{r['base_model']:,.0f} | {r['base_model'] / r['measured'] - 1:+.0%} | "
             f"{r['simulator']:,.0f} | {r['simulator_error']:+.0%} |"
         )

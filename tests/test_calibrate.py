@@ -9,7 +9,7 @@ import pytest
 
 from heterps_ray.costmodel import CostModel, load_problem, problem_from_dict
 from heterps_ray.costmodel.calibrate import predicted_throughput, refit
-from heterps_ray.scheduling.plan import Plan
+from heterps_ray.costmodel.plan import Plan
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "configs" / "problems"
 

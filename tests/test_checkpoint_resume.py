@@ -12,6 +12,7 @@ import pytest
 from helpers import TINY_BATCH, TINY_MODEL, tiny_sync_job
 
 from heterps_ray.config import JobConfig
+from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
 from heterps_ray.runtime.checkpoint import (
@@ -24,7 +25,6 @@ from heterps_ray.runtime.checkpoint import (
     verify_manifest,
 )
 from heterps_ray.runtime.driver import SUMMARY_FILE, train
-from heterps_ray.scheduling.plan import load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards

@@ -14,10 +14,10 @@ import ray
 from fault_injection import ActorKiller
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import RunSummary, train
 from heterps_ray.runtime.faults import TooManyFaults
-from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from heterps_ray.cli import main
-from heterps_ray.costmodel import load_problem
+from heterps_ray.costmodel import Plan, load_plan, load_problem
 from heterps_ray.errors import ConfigError
-from heterps_ray.scheduling import Plan, get_scheduler, load_plan, provision
+from heterps_ray.scheduling import get_scheduler, provision
 
 REPO = Path(__file__).resolve().parents[1]
 CTR = REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml"

@@ -118,13 +118,16 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     flagged = quality["flags"].fillna("").str.len().gt(0).sum()
     head = output.read_text().splitlines()[: flagged + 8]
     assert any(line.startswith("# POOR FITS") for line in head) == (flagged > 0)
-    # The runtime terms (DESIGN.md §3b): the job's execution, and what the probes took beyond the layers:
-    # priced with them, each probe's plan takes the ms per batch it was measured at (unless clamped at 0).
+    # The runtime terms (DESIGN.md §3b): the job's execution, then the probes: each type's layer times
+    # calibrated to its one-stage run, then each callee's call. Priced with them, every probe's plan takes
+    # the ms per batch it was measured at (unless a term was clamped: a ratio clipped, a call at 0).
     assert problem.runtime is not None and problem.runtime.mode == "sync"
     assert set(problem.runtime.call_ms) == {"cpu_small", "cpu_big"}
     assert problem.runtime.ps_wait_ms_per_row > 0
     probes = raw[raw["kind"] == "probe"]
-    assert len(probes) == 3 and (probes["ms"] > 0).all()
+    assert len(probes) == 4 and (probes["ms"] > 0).all()  # one stage on each type, two stages each way
+    scales = quality[quality["what"] == "probe"].dropna(subset=["layer_scale"])
+    assert set(scales["resource"]) == {"cpu_small", "cpu_big"}
     model = CostModel(problem)
     names = problem.layer_names
     for _, probe in probes.iterrows():
@@ -133,8 +136,8 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
         assignment = [first] * split + [probe["resource"]] * (len(names) - split)
         limits = model.evaluate(assignment, [1] * (1 + (split < len(names))), 1).runtime
         assert limits is not None
-        clamped = probe["peer"] and problem.runtime.call_ms[probe["resource"]] == 0.0
-        if not clamped and (probe["peer"] or problem.runtime.ps_hosted_ms_per_row > 0):
+        clamped = problem.runtime.call_ms[probe["resource"]] == 0.0 if probe["peer"] else False
+        if not clamped and not scales["flags"].fillna("").str.len().gt(0).any():
             assert limits.loop_ms == pytest.approx(probe["ms"], rel=1e-3)
     runtime = yaml.safe_load((tmp_path / "problem.runtime.yaml").read_text())
     assert runtime["dense_params"]["fc1"] == spec.layers[1].dense_params

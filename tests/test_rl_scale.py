@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from heterps_ray.costmodel import CostModel, problem_from_dict
+from heterps_ray.costmodel import CostModel, check_plan, problem_from_dict
 from heterps_ray.errors import ConfigError
-from heterps_ray.scheduling import check_plan, get_scheduler, provision
+from heterps_ray.scheduling import get_scheduler, provision
 from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.rl import ProblemView, RLScheduler, SchedulingEnv
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES

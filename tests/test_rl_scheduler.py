@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from heterps_ray.costmodel import CostModel
-from heterps_ray.scheduling import check_plan, get_scheduler
+from heterps_ray.costmodel import CostModel, check_plan
+from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.exact import brute_force
 from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.rl import ProblemView, RLConfig, RLScheduler, SchedulingEnv, greedy_rollout

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import train
-from heterps_ray.scheduling.plan import Plan, load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"

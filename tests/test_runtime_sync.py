@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import CHUNK_STEPS, SUMMARY_FILE, steady_rate, train
 from heterps_ray.runtime.reference import ReferenceTrainer
-from heterps_ray.scheduling.plan import load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"

@@ -28,9 +28,9 @@ def _problem(runtime: dict | None = None, hosts: list | None = None, floor: floa
         "input_bytes_per_sample": 125,  # 12,500 bytes a batch: 0.1 ms at 1 Gbit/s
         "resources": [
             {"name": "a", "price_per_hour": 1.0, "max_instances": 3, "bandwidth_gbps": 1.0, "latency_ms": 0.5,
-             "threads": 1},
+             "threads": 1, "call_overhead_ms": 0.4},
             {"name": "b", "price_per_hour": 3.0, "max_instances": 2, "bandwidth_gbps": 2.0, "latency_ms": 0.25,
-             "threads": 2},
+             "threads": 2, "call_overhead_ms": 0.5},
         ],
         "ps": {"resource": "a", "rows_per_second_per_shard": 1e6},
         "layers": [
@@ -62,12 +62,14 @@ def test_sync_two_stages_wait_for_each_other_with_calls_bytes_input_and_hosted_p
     # stage 0 on a: emb 1 + 0.01*100, input 0.1, its side of the boundary 2*250*100 bytes at 1 Gbit/s,
     # the hosted PS 10 rows * 100 * 0.0005
     busy0 = 2.0 + 0.1 + 2 * 250 * B / GBPS + 10 * B * 0.0005
-    # stage 1 on b: fc 0.5 + 1, out 0.5, one call (forward + loss + backward) 2 ms, its side at 2 Gbit/s
-    busy1 = 2.0 + 2.0 + 2 * 250 * B / (2 * GBPS)
+    # stage 1 on b: fc 0.5 + 1, out 0.5, of its one call (forward + loss + backward, a 2 ms round trip)
+    # its own 0.5 ms, its side of the boundary at 2 Gbit/s
+    busy1 = 2.0 + 0.5 + 2 * 250 * B / (2 * GBPS)
     assert e.runtime is not None and e.runtime.ps_hosted
     assert e.runtime.stage_ms == pytest.approx((busy0, busy1))
-    assert e.runtime.loop_ms == pytest.approx(busy0 + busy1)
-    assert e.throughput == pytest.approx(1000 * B / (busy0 + busy1))
+    loop = busy0 + busy1 + (2.0 - 0.5)  # the DataWorker waits the whole round trip
+    assert e.runtime.loop_ms == pytest.approx(loop)
+    assert e.throughput == pytest.approx(1000 * B / loop)
     assert e.bound == "loop"
     # the base model of the same problem pipelines the stages: the slower one alone sets the pace
     base = CostModel(problem_from_dict(_problem())).evaluate(["a", "b", "b"], [1, 1], 1)
@@ -77,7 +79,7 @@ def test_sync_two_stages_wait_for_each_other_with_calls_bytes_input_and_hosted_p
 def test_a_middle_stage_takes_two_calls_and_both_boundaries():
     model = _model(mode="sync")
     e = model.evaluate(["a", "b", "a"], [1, 1, 1], 1)
-    middle = 0.5 + 0.01 * B + 2 * 2.0 + (2 * 250 * B + 2 * 125 * B) / (2 * GBPS)
+    middle = 0.5 + 0.01 * B + 2 * 0.5 + (2 * 250 * B + 2 * 125 * B) / (2 * GBPS)
     assert e.runtime is not None
     assert e.runtime.stage_ms[1] == pytest.approx(middle)
 
@@ -91,7 +93,8 @@ def test_sync_replicas_add_nothing_and_micro_batches_pay_the_gpipe_bubble():
     k4 = _model(mode="sync", micro_batches=4).evaluate(["a", "b", "b"], [1, 1], 1)
     assert k4.runtime is not None
     busy = [ms / 4 for ms in k4.runtime.stage_ms]
-    assert k4.runtime.loop_ms == pytest.approx(sum(busy) + 3 * max(busy))
+    waiting = 2.0 - 0.5  # per micro-batch: the one call's round trip beyond what b itself spends
+    assert k4.runtime.loop_ms == pytest.approx(sum(busy) + waiting + 3 * max(busy))
 
 
 def test_async_overlaps_batches_and_data_workers_until_a_stage_binds():
@@ -99,7 +102,10 @@ def test_async_overlaps_batches_and_data_workers_until_a_stage_binds():
     ahead = _model(mode="async", batches_ahead=1).evaluate(["a", "b", "b"], [1, 1], 1)
     assert ahead.runtime is not None and serial.runtime is not None
     assert ahead.runtime.loop_throughput == pytest.approx(2 * serial.runtime.loop_throughput)
-    assert ahead.throughput == pytest.approx(min(ahead.runtime.stage_throughput))
+    assert ahead.throughput == pytest.approx(min(ahead.runtime.loop_throughput, *ahead.runtime.stage_throughput))
+    far = _model(mode="async", batches_ahead=3).evaluate(["a", "b", "b"], [1, 1], 1)
+    assert far.runtime is not None and far.bound.startswith("stage")
+    assert far.throughput == pytest.approx(min(far.runtime.stage_throughput))
     workers = _model(mode="async").evaluate(["a", "b", "b"], [2, 1], 2)
     assert workers.runtime is not None and not workers.runtime.ps_hosted  # shards on actors: PS waits
     assert workers.runtime.stage_ms[0] > serial.runtime.stage_ms[0]
@@ -112,7 +118,8 @@ def test_a_shared_host_caps_the_plan_at_its_free_cores():
     assert e.runtime is not None
     busy0, busy1 = e.runtime.stage_ms
     compute1 = 0.5 + 0.01 * B + 0.5
-    work = busy0 + (busy1 - compute1) + 2 * compute1 + 1 * 1.0  # b's compute keeps 2 cores busy
+    waiting1 = 2.0 - 0.5  # the rest of its call's round trip: the DataWorker's side and Ray's
+    work = busy0 + (busy1 - compute1) + waiting1 + 2 * compute1 + 1 * 1.0  # b's compute keeps 2 cores busy
     assert e.runtime.host_throughput == pytest.approx(1000 * B * 1.5 / work)
     assert e.throughput == pytest.approx(min(e.runtime.host_throughput, *e.runtime.stage_throughput))
 

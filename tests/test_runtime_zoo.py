@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.models import build_model
 from heterps_ray.runtime.driver import train
 from heterps_ray.runtime.reference import ReferenceTrainer
-from heterps_ray.scheduling.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 80

@@ -14,12 +14,12 @@ import torch
 from helpers import tiny_sync_job
 
 from heterps_ray.cli import main
+from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.errors import DataError
 from heterps_ray.ps.table import initial_rows
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import SUMMARY_FILE, train
-from heterps_ray.scheduling.plan import load_plan
 from heterps_ray.serving.export import DENSE_FILE, EMBEDDINGS_FILE, MANIFEST
 from heterps_ray.serving.predict import predict
 

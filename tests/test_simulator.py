@@ -236,7 +236,7 @@ def test_async_dense_pushes_load_the_ps():
 
 
 def test_plan_object_gives_the_same_result_as_its_json():
-    from heterps_ray.scheduling import Plan
+    from heterps_ray.costmodel import Plan
 
     problem = _problem(rows_per_second=2e6)
     plan, evaluation = _plan(problem, ["a", "b", "b"], [1, 1])

@@ -88,9 +88,9 @@ def test_a_run_with_mlflow_on_logs_what_tensorboard_and_the_summary_hold(ray_loc
     from mlflow.tracking import MlflowClient
 
     from heterps_ray.config import JobConfig
+    from heterps_ray.costmodel.plan import load_plan
     from heterps_ray.data.synth import synthesize
     from heterps_ray.runtime.driver import train
-    from heterps_ray.scheduling.plan import load_plan
 
     mlflow = _mlflow_store(tmp_path, monkeypatch)
     synthesize(tmp_path / "data", 2_000, seed=13, rows_per_part=1_000)

@@ -1,4 +1,5 @@
-"""heterps_ray.costmodel — the scheduling problem and the analytic cost model (DESIGN.md §2–4)."""
+"""heterps_ray.costmodel — the scheduling problem, the plan, and the cost model (DESIGN.md §2–4) with
+its runtime terms (§3b). Problem and Plan are the types the other parts pass each other."""
 
 from heterps_ray.costmodel.analytic import (
     BatchEvaluation,
@@ -9,6 +10,7 @@ from heterps_ray.costmodel.analytic import (
     monetary_cost,
     stage_throughput,
 )
+from heterps_ray.costmodel.plan import Plan, PlanStage, check_plan, load_plan
 from heterps_ray.costmodel.problem import (
     Layer,
     LayerTime,
@@ -29,12 +31,16 @@ __all__ = [
     "Layer",
     "LayerTime",
     "PSTier",
+    "Plan",
+    "PlanStage",
     "Problem",
     "Resource",
     "RuntimeTerms",
     "as_executed",
+    "check_plan",
     "StageEvaluation",
     "StageTime",
+    "load_plan",
     "load_problem",
     "monetary_cost",
     "one_replica_per_stage",

@@ -81,7 +81,7 @@ class Evaluation:
     def bound(self) -> str:
         """What limits the throughput: 'stage j', 'ps', and with runtime terms 'loop' or 'host'."""
         if self.runtime is not None:
-            return self.runtime.bound(self.ps_throughput)
+            return self.runtime.bound(math.inf if self.runtime.ps_hosted else self.ps_throughput)
         terms = {f"stage {j}": s.throughput for j, s in enumerate(self.stages)}
         terms["ps"] = self.ps_throughput
         return min(terms, key=lambda name: terms[name])
@@ -272,6 +272,8 @@ class CostModel:
         theta_ps = self.ps_throughput(ps_shards)
         throughput = min([s.throughput for s in priced] + [theta_ps]) if runnable else 0.0
         if terms is not None:
+            if terms.ps_hosted:  # no shard actor serves it: the DataWorker's own time (busy) has its work
+                throughput = min([s.throughput for s in priced]) if runnable else 0.0
             throughput = min(throughput, terms.loop_throughput, terms.host_throughput)
         available = (
             all(k >= 1 for k in counts)

@@ -122,7 +122,10 @@ class RuntimeTerms(BaseModel):
         "push) when the shards are actors",
     )
     ps_hosted_ms_per_row: float = Field(
-        0.0, ge=0, description="the same when the shards live in the DataWorker's process"
+        0.0,
+        ge=0,
+        description="the same when the shards live in the DataWorker's process (the profiler leaves it "
+        "at 0: its one-stage probes calibrate the layer times with the hosted shards' work in them)",
     )
 
     @property

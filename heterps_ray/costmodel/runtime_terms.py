@@ -7,13 +7,15 @@ Per micro-batch of ``b = B / K`` samples (``K`` = micro-batches), for stage ``j`
 * a boundary carries the activation and its gradient, ``2 · out_bytes · b``, paid at each side's
   bandwidth (as in §3);
 * every stage after the first receives calls from the DataWorker: two (forward, backward), or one
-  (forward + loss + backward) for the last stage; each costs its type's ``call_ms`` on top;
+  (forward + loss + backward) for the last stage; a call's round trip is its type's ``call_ms``, of
+  which the stage is busy its ``call_overhead_ms`` (the rest is in flight and at the caller);
 * stage 0 (the DataWorker) also reads its input and waits for the PS: ``ps_wait_ms_per_row`` per
   sparse row, or ``ps_hosted_ms_per_row`` when it hosts the shards itself (``ps_hosting: auto``,
   one DataWorker, no replicated stage);
 * ``busy_j`` = all of the above that stage ``j``'s actor spends per micro-batch.
 
-A DataWorker waits for a micro-batch's round through every stage: ``loop = Σ_j busy_j``. Then
+A DataWorker waits for a micro-batch's round through every stage: ``loop = Σ_j busy_j`` plus the
+calls' round trips beyond their callees' share. Then
 
 * sync (one batch at a time, GPipe over its micro-batches): ``T = loop + (K - 1) · max_j busy_j``,
   ``Θ_loop = 1000 · B / T``; replicas add nothing;
@@ -23,7 +25,7 @@ A DataWorker waits for a micro-batch's round through every stage: ``loop = Σ_j 
 * a shared host (``hosts``) caps it at its free cores over the CPU per batch of the actors on it: a
   busy actor's compute keeps ``min(threads, cores)`` cores busy, everything else one, and each call
   costs the host's ``call_cpu_ms`` of Ray's own processes;
-* ``Θ = min(Θ_loop, min_j θ_j, Θ_host, θ_ps(m))``.
+* ``Θ = min(Θ_loop, min_j θ_j, Θ_host, θ_ps(m))``, without ``θ_ps`` for hosted shards.
 
 `limits` returns every term, so a plan says what bounds it.
 """

@@ -46,7 +46,7 @@ from heterps_ray.data.layout import (
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import DataError
 
-_READ_ROWS = 1 << 16  # rows read and converted at a time by iter_batches
+READ_ROWS = 1 << 16  # rows read and converted at a time by iter_batches
 
 
 class Dataset:
@@ -132,7 +132,7 @@ class Dataset:
     def _tables(self, split: str, files: list[Path] | None) -> Iterator[pa.Table]:
         for f in self.files(split) if files is None else [Path(f) for f in files]:
             parquet = _open_part(f)
-            for record_batch in parquet.iter_batches(batch_size=_READ_ROWS, columns=COLUMNS):
+            for record_batch in parquet.iter_batches(batch_size=READ_ROWS, columns=COLUMNS):
                 yield pa.Table.from_batches([record_batch])
 
 

@@ -391,9 +391,8 @@ def _plot_pipeline(args: argparse.Namespace) -> int:
     else:
         if args.problem is None or args.plan is None:
             raise ConfigError(None, "--plan", "--problem and --plan together (or --timeline)")
-        from heterps_ray.costmodel import load_problem
+        from heterps_ray.costmodel import load_plan, load_problem
         from heterps_ray.costmodel.simulator import simulate
-        from heterps_ray.scheduling import load_plan
 
         if args.batches < 1 or args.micro_batches < 1:
             raise ConfigError(

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from heterps_ray.costmodel import Problem
-from heterps_ray.scheduling import Plan, get_scheduler
+from heterps_ray.costmodel import Plan, Problem
+from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.baselines import SingleTypeScheduler
 from heterps_ray.scheduling.exact import max_reachable_throughput
 

@@ -35,12 +35,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from heterps_ray.costmodel import Problem, load_problem
+from heterps_ray.costmodel import Plan, Problem, load_problem
 from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.experiments.cost_frontier import with_floor
 from heterps_ray.scheduling import (
     BaseModelScheduler,
-    Plan,
     Scheduler,
     available_schedulers,
     base_model,

@@ -39,7 +39,8 @@ def register(subparsers: Any) -> None:
         "--probe-steps",
         type=int,
         default=None,
-        help="batches each runtime probe trains (default 120; --quick: 0, no probes, no call terms)",
+        help="batches each runtime probe trains (default: two of the dataset's read chunks; --quick: "
+        "no probes, so no call terms)",
     )
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: start an embedded local Ray)"
@@ -66,8 +67,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise ConfigError(None, "--repeat-factor", "a positive integer", args.repeat_factor)
     settings = settings.scaled(args.repeat_factor)
     if args.probe_steps is not None:
-        if args.probe_steps < 0:
-            raise ConfigError(None, "--probe-steps", "0 or more batches", args.probe_steps)
+        if args.probe_steps < 1:
+            raise ConfigError(None, "--probe-steps", "1 or more batches", args.probe_steps)
         settings = dataclasses.replace(settings, probe_steps=args.probe_steps)
     if args.batch_sizes:
         try:

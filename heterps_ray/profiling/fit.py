@@ -363,15 +363,26 @@ def fit_problem(
     )
 
 
+_PROBE_SCALE = (0.25, 4.0)  # a runtime/profile time ratio outside this is a broken measurement: clipped
+
+
 def _runtime_terms(
     problem: dict[str, Any],
     measurements: pd.DataFrame,
     execution: dict[str, Any],
     quality: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The problem's `runtime` section: the job's execution, the PS wait per row, and what the runtime
-    probes (probes.py) took beyond what the fitted layers, bytes and input explain: the hosted PS per
-    row (the one-stage probe), then each callee type's call (the two-stage probes, one call a batch)."""
+    """The problem's `runtime` section (DESIGN.md §3b): the job's execution, the PS wait per row, and
+    what the runtime probes (probes.py) measured:
+
+    * a one-stage probe on each type calibrates that type's layer times to the runtime (a single
+      actor's timing leaves out what the runtime's DataWorker adds, and a burst of load during the
+      profile skews it; the probe runs the real loop): they are scaled so that the plan takes the
+      probe's ms per batch (the hosted PS's work included), the factor kept in the fit table;
+    * then each two-stage probe gives its callee type's `call_ms`: what one call a batch took beyond
+      what the calibrated layers, bytes and input explain.
+
+    Changes `problem`'s layer times in place."""
     from heterps_ray.costmodel import CostModel, problem_from_dict
 
     terms: dict[str, Any] = {**execution}
@@ -384,35 +395,44 @@ def _runtime_terms(
     # several profiles together (before and after something): each probe's median
     probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)["ms"].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
-    rows_per_batch = (
-        sum(layer["sparse_rows_per_sample"] for layer in problem["layers"]) * problem["batch_size"]
-    )
-    fitted = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0), "ps_hosted_ms_per_row": 0.0,
+    fitted = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),
               "call_ms": {r["name"]: 0.0 for r in problem["resources"]}}  # fmt: skip
 
-    def explained_ms(row: Any) -> float:
+    def explained_ms(row: Any) -> tuple[float, float]:
+        """(the probe plan's loop ms, of it the layers' compute) under the terms fitted so far."""
         split = layer_names.index(row["layer"]) + 1
         caller = row["peer"] or row["resource"]
         assignment = [caller] * split + [row["resource"]] * (len(layer_names) - split)
         model = CostModel(problem_from_dict({**problem, "runtime": fitted}))
-        stages = len(model.split_stages(assignment))
-        limits = model.evaluate(assignment, [1] * stages, 1).runtime
+        stages = model.split_stages(assignment)
+        limits = model.evaluate(assignment, [1] * len(stages), 1).runtime
         assert limits is not None
-        return limits.loop_ms
+        compute = sum(float(model.compute_ms[start:end, t].sum()) for start, end, t in stages)
+        return limits.loop_ms, compute
 
     for _, row in probes[probes["peer"] == ""].iterrows():
-        explained = explained_ms(row)
-        if rows_per_batch > 0:
-            fitted["ps_hosted_ms_per_row"] = max(row["ms"] - explained, 0.0) / rows_per_batch
+        explained, compute = explained_ms(row)
+        scale = (row["ms"] - (explained - compute)) / compute if compute > 0 else 1.0
+        scale = min(max(scale, _PROBE_SCALE[0]), _PROBE_SCALE[1])
+        for layer in problem["layers"]:
+            coeffs = layer["time_ms"].get(row["resource"])
+            if coeffs is not None:
+                coeffs.update(
+                    fixed=_round(coeffs["fixed"] * scale), per_sample=_round(coeffs["per_sample"] * scale)
+                )
+        flag = (
+            ""
+            if _PROBE_SCALE[0] < scale < _PROBE_SCALE[1]
+            else f"runtime/profile time ratio clipped to {scale:g}"
+        )
         quality.append({"what": "probe", "layer": row["layer"], "resource": row["resource"], "fixed_ms": row["ms"],
-                        "slope_ms": explained, "flags": ""})  # fmt: skip
+                        "slope_ms": explained, "layer_scale": scale, "flags": flag})  # fmt: skip
     for _, row in probes[probes["peer"] != ""].iterrows():
-        explained = explained_ms(row)
+        explained, _ = explained_ms(row)
         fitted["call_ms"][row["resource"]] = max(row["ms"] - explained, 0.0)
         quality.append({"what": "probe", "layer": row["layer"], "resource": f"{row['peer']}->{row['resource']}",
                         "fixed_ms": row["ms"], "slope_ms": explained, "flags": ""})  # fmt: skip
     measured = set(probes.loc[probes["peer"] != "", "resource"])
-    terms["ps_hosted_ms_per_row"] = _round(fitted["ps_hosted_ms_per_row"])
     terms["call_ms"] = {name: _round(ms) for name, ms in fitted["call_ms"].items() if name in measured}
     return terms
 

@@ -4,9 +4,9 @@ runtime's loop, and what hosting the PS shards costs a DataWorker.
 
 The probes train sync plans for a few seconds each on the job's own data and actors:
 
-* one stage on the first type that runs every layer (its DataWorker hosts the shards);
-* for every other type ``t``: the first layer on that first type, the rest on ``t`` (one call per
-  batch to a stage of ``t``), and the reverse for the first type itself.
+* one stage on each type (its DataWorker hosts the shards): the runtime's own speed on that type;
+* for every type ``t`` but the first: the first layer on the first type, the rest on ``t`` (one call
+  per batch to a stage of ``t``), and the first layer on the second type, the rest on the first.
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from heterps_ray.config import JobConfig
 
-PROBE_STEPS = 120  # batches: the warm-up chunk (20) and at least two steady chunks of about 1 s
+PROBE_STEPS = 0  # batches per probe; 0: enough for two of the dataset's read chunks (probe_steps)
+
+
+def probe_steps(job: JobConfig, steps: int = PROBE_STEPS) -> int:
+    """Batches a probe trains: `steps`, or (0) the warm-up and two of the dataset's read chunks of
+    READ_ROWS rows (a long run pays a chunk's conversion every READ_ROWS rows; a shorter probe would
+    miss it and read fast), at least 120 (the warm-up chunk and two steady chunks)."""
+    from heterps_ray.data.dataset import READ_ROWS
+
+    return steps or max(120, 20 + 2 * READ_ROWS // job.batch_size)
 
 
 def probe_plans(job: JobConfig, layers: list[str], types: list[str]) -> list[tuple[str, str, int]]:
@@ -27,7 +36,7 @@ def probe_plans(job: JobConfig, layers: list[str], types: list[str]) -> list[tup
     if not types:
         return []
     first = types[0]
-    probes = [(first, "", len(layers))]
+    probes = [(t, "", len(layers)) for t in types]
     if len(layers) > 1:
         for callee in types[1:]:
             probes.append((first, callee, 1))
@@ -40,8 +49,8 @@ def run_probe(
     job: JobConfig, layers: list[str], caller: str, callee: str, split: int, steps: int = PROBE_STEPS
 ) -> float:
     """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`."""
+    from heterps_ray.costmodel.plan import Plan, PlanStage
     from heterps_ray.runtime.driver import train
-    from heterps_ray.scheduling.plan import Plan, PlanStage
 
     stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
     if split < len(layers):
@@ -67,10 +76,10 @@ def run_probe(
             "mode": "sync",
             "runtime": job.runtime.model_copy(
                 update={"micro_batches": 1, "batches_ahead": 0, "ps_hosting": "auto", "checkpoint_every": 0,
-                        "train_steps": None, "compiled_graph": False, "ps_shards": None}
+                        "train_steps": None, "compiled_graph": False, "ps_shards": None, "epochs": 1000}
             ),
         }
     )  # fmt: skip
-    summary = train(probe_job, plan, steps=steps, progress=False, save=False)
+    summary = train(probe_job, plan, steps=probe_steps(job, steps), progress=False, save=False)
     rate = summary.steady_throughput or summary.throughput
     return 1000.0 * job.batch_size / rate

@@ -35,7 +35,7 @@ from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
-from heterps_ray.profiling.probes import PROBE_STEPS, probe_plans, run_probe
+from heterps_ray.profiling.probes import PROBE_STEPS, probe_plans, probe_steps, run_probe
 
 _BYTES_PER_MB = 1 << 20
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
@@ -67,8 +67,9 @@ class ProfileSettings:
     """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
     call_count: int = 60
     """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
-    probe_steps: int = PROBE_STEPS
-    """batches each runtime probe trains (probes.py; 0: none, the problem gets no call terms)"""
+    probe_steps: int | None = PROBE_STEPS
+    """batches each runtime probe trains (probes.py; 0: two read chunks' worth; None: no probes, the
+    problem gets no call terms and uncalibrated layer times)"""
     seed: int = 0
     progress: bool = True
 
@@ -87,7 +88,7 @@ class ProfileSettings:
             "host_window_s": 0.3,
             "host_calls": 50,
             "call_count": 20,
-            "probe_steps": 0,
+            "probe_steps": None,
         }
         return cls(**{**fields, **overrides})
 
@@ -482,7 +483,7 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
         for group in actors.values():
             for actor in group:
                 ray.kill(actor)
-    if settings.probe_steps:  # after the profiling actors are gone: the probes need the types' slots
+    if settings.probe_steps is not None:  # after the profiling actors are gone: they need the slots
         rows += _probe_runs(job, spec, [t.name for t in present], settings)
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
@@ -502,19 +503,20 @@ def _probe_runs(job: JobConfig, spec: ModelSpec, types: list[str], settings: Pro
     from heterps_ray.data import DEFAULT_EVAL_FRACTION
 
     layers = [layer.name for layer in spec.layers]
+    steps = probe_steps(job, settings.probe_steps or 0)
     scratch = None
     if not is_dataset(Path(job.data.path)):
         from heterps_ray.data.synth import synthesize
 
         scratch = tempfile.TemporaryDirectory(prefix="heterps-probe-")
         path = Path(scratch.name) / "data"
-        rows = int(settings.probe_steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
+        rows = int(steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
         synthesize(path, rows, seed=settings.seed)
         job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
     try:
         out = []
         for caller, callee, split in probe_plans(job, layers, types):
-            ms = run_probe(job, layers, caller, callee, split, settings.probe_steps)
+            ms = run_probe(job, layers, caller, callee, split, steps)
             resource, peer = (callee, caller) if callee else (caller, "")
             out.append(_Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
                             ms=ms))  # fmt: skip

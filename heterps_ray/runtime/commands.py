@@ -50,9 +50,9 @@ def _register_train(subparsers: Any) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from heterps_ray.config import load_job
+    from heterps_ray.costmodel.plan import load_plan
     from heterps_ray.errors import ConfigError
     from heterps_ray.runtime.driver import SUMMARY_FILE, train
-    from heterps_ray.scheduling.plan import load_plan
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(None, "--steps", "a positive integer", args.steps)

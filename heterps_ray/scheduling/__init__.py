@@ -1,4 +1,5 @@
-"""heterps_ray.scheduling — plans, exact provisioning and the schedulers behind one interface.
+"""heterps_ray.scheduling — exact provisioning and the schedulers behind one interface (the Plan they
+return lives in heterps_ray.costmodel, below them).
 
 from heterps_ray.scheduling import get_scheduler
 plan = get_scheduler("exact").schedule(problem)
@@ -13,20 +14,15 @@ from heterps_ray.scheduling.base import (
     get_scheduler,
     register_scheduler,
 )
-from heterps_ray.scheduling.plan import Plan, PlanStage, check_plan, load_plan
 from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision, provision_counts
 
 __all__ = [
     "BaseModelScheduler",
-    "Plan",
-    "PlanStage",
     "Provisioned",
     "Scheduler",
     "available_schedulers",
     "base_model",
-    "check_plan",
     "get_scheduler",
-    "load_plan",
     "plan_from_counts",
     "provision",
     "provision_counts",

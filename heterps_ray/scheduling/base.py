@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
-from heterps_ray.scheduling.plan import Plan
 
 # Modules whose import registers schedulers; the optional ones may be absent from a build.
 _BUILTIN_MODULES = ("heterps_ray.scheduling.baselines", "heterps_ray.scheduling.exact")

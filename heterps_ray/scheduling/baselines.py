@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
-from heterps_ray.scheduling.plan import Plan
 from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision_counts
 
 Assignment = tuple[int, ...]

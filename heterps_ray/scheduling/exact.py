@@ -43,9 +43,9 @@ import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR, stage_throughput
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
-from heterps_ray.scheduling.plan import Plan
 from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision_counts
 
 _REACH_RTOL = 1e-12  # as in provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)

@@ -24,7 +24,7 @@ import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
-from heterps_ray.scheduling.plan import Plan
+from heterps_ray.costmodel.plan import Plan
 
 _REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
 
@@ -129,18 +129,11 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
 def _hosted_and_bumped(
     model: CostModel, assignment: list[int], ones: np.ndarray, shards_at: np.ndarray, shards: np.ndarray
 ) -> list[tuple[tuple[int, ...], int]]:
-    """The plans that replace all-ones counts on actor shards: the hosted plan, and, for each level
-    that asked for all ones, each stage bumped to two replicas. The hosted plan takes the fewest
-    shards whose PS tier keeps up with the rest of it: fewer lose throughput in proportion to their
-    saving (R / Theta only grows), more only cost."""
+    """The plans that replace all-ones counts on actor shards: the hosted plan (its fewest shards:
+    no shard actor serves it, so more only cost), and, for each level that asked for all ones, each
+    stage bumped to two replicas."""
     S = len(model.split_stages(assignment))
-    ones_counts = (1,) * S
-    unlimited = model.evaluate(assignment, list(ones_counts), int(shards[-1]))
-    rest = min(unlimited.throughput, *(st.throughput for st in unlimited.stages))
-    if unlimited.runtime is not None:
-        rest = min(rest, unlimited.runtime.loop_throughput, unlimited.runtime.host_throughput)
-    reach = [int(n) for n in shards if model.ps_throughput(int(n)) >= rest * (1.0 - _REACH_RTOL)]
-    plans = {(ones_counts, reach[0] if reach else int(shards[-1]))}
+    plans = {((1,) * S, int(shards[0]))}
     for n in np.unique(shards_at):
         for j in range(S):
             plans.add((tuple(2 if i == j else 1 for i in range(S)), int(n)))

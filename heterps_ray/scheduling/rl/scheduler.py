@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from heterps_ray.costmodel import Problem
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
-from heterps_ray.scheduling.plan import Plan
 from heterps_ray.scheduling.provisioning import plan_from_counts
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, SchedulingEnv, better
 from heterps_ray.scheduling.rl.policy import (

@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from heterps_ray.costmodel import CostModel, Evaluation, Problem
+from heterps_ray.costmodel.analytic import CostModel, Evaluation
+from heterps_ray.costmodel.problem import Problem
 from heterps_ray.errors import ConfigError
 
 
