@@ -6,7 +6,7 @@ against achieved throughput, $/hour, the projected total cost and the model's AU
 
 Everything a run produces lands in the job's output_dir::
 
-    problem.yaml (+ .measurements.parquet, .fit.csv, .runtime.yaml)   the fitted cost model
+    problem.yaml (+ .measurements.parquet, .fit.csv)                  the fitted cost model
     plan.json                                                          the schedule
     run_summary.json, model/                                           the training run
     run_report.json                                                    the comparison below
@@ -157,17 +157,16 @@ def run_job(
         seconds["data"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        # the same settings for the first profile and for a type that joins mid-run
+        settings = (
+            ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)
+        )
         if problem_file is not None:
-            problem, runtime = _given_problem(Path(problem_file), job, out / "problem.yaml")
+            problem = _given_problem(Path(problem_file), job, out / "problem.yaml")
         else:
-            settings = (
-                ProfileSettings.quick(progress=progress)
-                if quick_profile
-                else ProfileSettings(progress=progress)
-            )
             fit = profile(job, settings)
             problem_path = write_problem(fit, out / "problem.yaml")["problem"]
-            problem, runtime = load_problem(problem_path), fit.runtime
+            problem = load_problem(problem_path)
             if fit.flags:
                 print(
                     f"profile: {len(fit.flags)} poor fits (see {problem_path.with_suffix('.fit.csv').name})"
@@ -248,8 +247,7 @@ def run_job(
                 if len(replans) >= _MAX_REPLANS:
                     raise
                 # a type that joined and was not profiled at the start is profiled now (elastic.py)
-                join_settings = ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)  # fmt: skip
-                problem, profiled = profile_joined_types(job, problem, change.now, join_settings)
+                problem, profiled = profile_joined_types(job, problem, change.now, settings)
                 present = restrict_problem(problem, change.now)
                 new_plan = _feasible(scheduler.schedule(present), problem, job)
                 plan_file = out / f"plan-replan-{len(replans) + 1}.json"
@@ -293,7 +291,7 @@ def run_job(
         )
     else:  # the closed loop gave up: what the last plan achieved before it stopped
         achieved, floor_met = measured[-1], False
-    simulated = _simulated(problem, plan, job, runtime)  # the plan that ran (after any re-plan)
+    simulated = _simulated(problem, plan, job)  # the plan that ran (after any re-plan)
     hours = lambda throughput: job.samples / throughput / 3600.0 if throughput > 0 else float("inf")  # noqa: E731
     report = RunReport(
         job=job.name,
@@ -336,15 +334,12 @@ def _floor_error(job: JobConfig, measured: list[float], why: str) -> InfeasibleE
     )
 
 
-def _given_problem(path: Path, job: JobConfig, copy: Path) -> tuple[Any, dict[str, Any]]:
+def _given_problem(path: Path, job: JobConfig, copy: Path) -> Any:
     """`heterps run --problem FILE`: the problem to plan on instead of a profile, checked against the
     job (same layers, and types of the job's cluster) and given the job's floor, batch size and
-    samples; saved as output_dir/problem.yaml. Returns it and the simulator's runtime extras of its
-    profile (FILE.runtime.yaml beside it, when there is one)."""
-    from heterps_ray.config import read_yaml
+    samples; saved as output_dir/problem.yaml."""
     from heterps_ray.costmodel import load_problem, problem_from_dict
     from heterps_ray.models import build_model
-    from heterps_ray.profiling.fit import runtime_path
 
     if not path.is_file():
         raise ConfigError(str(path), "--problem", "an existing problem file (YAML or JSON)", str(path))
@@ -361,8 +356,7 @@ def _given_problem(path: Path, job: JobConfig, copy: Path) -> tuple[Any, dict[st
     problem = problem_from_dict(data, str(path))
     if path.resolve() != copy.resolve():
         problem.save(copy)
-    extras = runtime_path(path)
-    return problem, (read_yaml(extras) if extras.is_file() else {})
+    return problem
 
 
 def _plan_line(plan: Any) -> str:
@@ -371,13 +365,11 @@ def _plan_line(plan: Any) -> str:
     return f"{stages} | ps x{plan.ps_shards}"
 
 
-def _simulated(problem: Any, plan: Any, job: JobConfig, runtime: dict[str, Any]) -> float:
+def _simulated(problem: Any, plan: Any, job: JobConfig) -> float:
     """The simulator's steady throughput of `plan` run as `job` runs it (no start-up, as the achieved)."""
     from heterps_ray.costmodel.simulator import simulate
-    from heterps_ray.profiling.fit import simulator_options
     from heterps_ray.runtime.driver import CHUNK_STEPS
 
-    options = {**simulator_options(runtime), "startup_ms": 0.0}
     return simulate(
         problem,
         plan,
@@ -386,7 +378,7 @@ def _simulated(problem: Any, plan: Any, job: JobConfig, runtime: dict[str, Any])
         micro_batches=job.runtime.micro_batches,
         max_in_flight=job.runtime.max_in_flight,
         drain_every=CHUNK_STEPS,
-        **options,
+        startup_ms=0.0,
     ).throughput
 
 

@@ -63,7 +63,6 @@ def main(results: list[Path]) -> None:
                     resource.update(change)
                 variant = Path(tmp) / "variant.yaml"
                 variant.write_text(yaml.safe_dump(problem))
-                variant.with_name("variant.runtime.yaml").write_text(files["runtime"].read_text())
                 errs = [validate_costmodel._predict(variant, row)["simulator_error"] for row in rows]
                 errors[name] += errs
                 print(f"{path.parent.name:>4} {name:<17} " + " ".join(f"{e:+5.0%}" for e in errs))

@@ -235,16 +235,11 @@ def _executed(problem: Any, case: Any) -> Any:
 
 def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
     """Analytic and simulated throughput of a measured run (a row of results.json) on a problem file."""
-    from heterps_ray.config import read_yaml
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.costmodel.simulator import simulate
-    from heterps_ray.profiling.fit import runtime_path, simulator_options
     from heterps_ray.runtime.driver import CHUNK_STEPS
 
     problem = load_problem(problem_file)
-    path_extras = runtime_path(problem_file)
-    extras = simulator_options(read_yaml(path_extras)) if path_extras.exists() else {}
-    extras["startup_ms"] = 0.0  # the steady state: the measured rate leaves the warm-up chunk out
     case = Case(row["case"], tuple(row["assignment"]), tuple(row["replicas"]), row["mode"], row["micro_batches"],
                 row["ps_shards"], row.get("batches_ahead", 0))  # fmt: skip
     evaluation = CostModel(_executed(problem, case)).evaluate(
@@ -259,7 +254,7 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
         mode=case.mode,  # type: ignore[arg-type]
         max_in_flight=row["max_in_flight"],
         drain_every=CHUNK_STEPS,  # the driver runs DataWorkers in chunks, draining between
-        **extras,
+        startup_ms=0.0,  # the steady state: the measured rate leaves the warm-up chunk out
     )
     measured = row["measured"]
     base = CostModel(problem.model_copy(update={"runtime": None})).evaluate(

@@ -15,8 +15,6 @@ from heterps_ray.profiling.fit import (
     fit_line,
     fit_problem,
     parallel_fraction,
-    runtime_path,
-    simulator_options,
     write_problem,
 )
 
@@ -107,6 +105,7 @@ def _fit(measurements: pd.DataFrame):
         throughput_min=1000.0,
         name="synthetic",
         input_bytes_per_sample=264,
+        execution={"mode": "async", "batches_ahead": 1},
     )
 
 
@@ -130,12 +129,18 @@ def test_fit_recovers_known_coefficients_and_writes_a_loadable_problem(tmp_path)
         assert resources[rtype]["io_bandwidth_gbps"] == pytest.approx(0.1, rel=1e-6)
         assert resources[rtype]["price_per_hour"] == CLUSTER.type(rtype).price_per_hour
     assert result.problem["ps"]["rows_per_second_per_shard"] == pytest.approx(8 * 13312 / 0.1, rel=1e-6)
-    assert result.runtime["ps_pull_share"] == pytest.approx(0.4)
-    assert result.runtime["ps_push_client_share"] == pytest.approx(0.25)
-    assert result.runtime["startup_ms"] == pytest.approx(500.0)
-    assert result.runtime["dense_ms_per_param"] == pytest.approx(40.0 / 8 / 100_000)
-    assert result.runtime["dense_params"]["fc1"] == 126976
-    assert result.runtime["forward_fraction"] == pytest.approx(1 / 3, rel=0.02)
+    # the simulator's measured details are problem fields (no side file)
+    ps, runtime = result.problem["ps"], result.problem["runtime"]
+    assert ps["pull_share"] == pytest.approx(0.4)
+    assert ps["push_client_share"] == pytest.approx(0.25)
+    assert ps["dense_ms_per_param"] == pytest.approx(40.0 / 8 / 100_000)
+    assert layers["fc1"]["dense_params"] == 126976
+    assert runtime["startup_ms"] == pytest.approx(500.0)
+    assert runtime["forward_fraction"] == pytest.approx(1 / 3, rel=0.02)
+    # the job's execution and the PS wait per row (no probe rows: no call terms, layer times as fitted)
+    assert runtime["mode"] == "async" and runtime["batches_ahead"] == 1
+    assert runtime["ps_wait_ms_per_row"] == pytest.approx(100.0 / (8 * 13312), rel=1e-5)
+    assert "call_ms" not in runtime
 
     paths = write_problem(result, tmp_path / "p.yaml")
     problem = load_problem(paths["problem"])
@@ -144,17 +149,10 @@ def test_fit_recovers_known_coefficients_and_writes_a_loadable_problem(tmp_path)
     assert problem.input_bytes_per_sample == 264
     assert len(pd.read_parquet(paths["measurements"])) == len(result.measurements)
     assert set(pd.read_csv(paths["quality"])["what"]) == {"layer", "transfer", "input", "ps"}
-    assert paths["runtime"] == runtime_path(paths["problem"])
-    from heterps_ray.config import read_yaml
-
-    assert set(simulator_options(read_yaml(paths["runtime"]))) == {
-        "pull_share",
-        "push_client_share",
-        "startup_ms",
-        "dense_ms_per_param",
-        "dense_params",
-        "forward_fraction",
-    }
+    assert set(paths) == {"problem", "measurements", "quality"}
+    assert not list(tmp_path.glob("*.runtime.yaml"))
+    assert problem.runtime is not None and problem.runtime.startup_ms == pytest.approx(500.0)
+    assert problem.ps.pull_share == pytest.approx(0.4) and problem.layers[1].dense_params == 126976
 
 
 def test_noisy_and_negative_fits_are_flagged_not_hidden(tmp_path):

@@ -8,10 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from heterps_ray.costmodel import CostModel, Problem, problem_from_dict
+from heterps_ray.costmodel import CostModel, Plan, Problem, problem_from_dict
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling import (
-    Plan,
     Scheduler,
     get_scheduler,
     provision,

@@ -15,8 +15,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Simulate PLAN on PROBLEM as the runtime runs it (micro-batches, bounded in-flight links, M:N "
             "replicas, PS contention, the sync barrier) and print the throughput and per-stage "
-            "utilisation beside the analytic model's. Extras measured by `heterps profile` "
-            "(<problem>.runtime.yaml) are used when they sit beside the problem file."
+            "utilisation beside the analytic model's. The runtime details `heterps profile` measured "
+            "(the problem's ps and runtime fields) are used."
         ),
     )
     p.add_argument("--problem", required=True, type=Path, metavar="FILE", help="problem file (YAML or JSON)")
@@ -35,7 +35,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--timeline", type=Path, default=None, help="write the per-call timeline (CSV)")
     p.add_argument("--queues", type=Path, default=None, help="write queue depths over time (CSV)")
-    p.add_argument("--no-extras", action="store_true", help="ignore <problem>.runtime.yaml")
     p.add_argument(
         "--no-host-sharing",
         action="store_true",
@@ -60,7 +59,6 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError(
             None, "--micro-batches", f"a divisor of the batch size {problem.batch_size}", args.micro_batches
         )
-    options = {} if args.no_extras else _extras(args.problem)
     result = simulate(
         problem,
         plan,
@@ -70,7 +68,6 @@ def _simulate(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         drain_every=args.drain_every or None,
         host_sharing=not args.no_host_sharing,
-        **options,
     )
     assignment = [stage["type"] for stage in plan["stages"] for _ in stage["layers"]]
     replicas = [int(stage.get("replicas", 1)) for stage in plan["stages"]]
@@ -80,7 +77,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(
         f"simulated {args.batches} batches ({result.samples:,} samples; {args.mode}, {args.micro_batches} "
         f"micro-batch(es), at most {args.max_in_flight} in flight) in {result.makespan_ms / 1000:.3f} s of "
-        f"simulated time{' with measured extras' if options else ''}"
+        f"simulated time"
     )
     print(
         f"throughput: simulator {result.throughput:,.0f} samples/s | analytic model {analytic.throughput:,.0f} samples/s"
@@ -162,12 +159,3 @@ def _read_plan(path: Path, problem: Any) -> dict[str, Any]:
     if covered != names:
         raise ConfigError(file, "stages", f"stages covering all layers {names}", covered)
     return plan
-
-
-def _extras(problem_path: Path) -> dict[str, Any]:
-    """Simulator options from the profile's <problem>.runtime.yaml, if there is one."""
-    from heterps_ray.config import read_yaml
-    from heterps_ray.profiling.fit import runtime_path, simulator_options
-
-    path = runtime_path(problem_path)
-    return simulator_options(read_yaml(path)) if path.exists() else {}

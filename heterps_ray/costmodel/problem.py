@@ -68,6 +68,15 @@ class PSTier(BaseModel):
     resource: str | None = Field(None, description="resource type of the shards (default: the first)")
     rows_per_second_per_shard: float | None = Field(None, gt=0, description="sparse rows/s one shard serves")
     min_shards: int = Field(1, ge=1, description="shards needed to hold the tables in memory")
+    pull_share: float | None = Field(
+        None, ge=0, le=1, description="simulator: the pull's share of a row's service time (default 0.5)"
+    )
+    push_client_share: float | None = Field(
+        None, ge=0, le=1, description="simulator: the share of a push the DataWorker does itself (default 0)"
+    )
+    dense_ms_per_param: float | None = Field(
+        None, ge=0, description="simulator: ms of an async dense push per parameter (default 0)"
+    )
 
 
 class Host(BaseModel):
@@ -121,6 +130,10 @@ class RuntimeTerms(BaseModel):
         description="ms a DataWorker waits per sparse row of a batch (pull + its part of the "
         "push) when the shards are actors",
     )
+    startup_ms: float = Field(0.0, ge=0, description="simulator: a DataWorker's one-time start-up, ms")
+    forward_fraction: float | None = Field(
+        None, gt=0, lt=1, description="simulator: the forward pass's share of a layer's time (default 1/3)"
+    )
     ps_hosted_ms_per_row: float = Field(
         0.0,
         ge=0,
@@ -151,6 +164,7 @@ class Layer(BaseModel):
     out_bytes_per_sample: float = Field(ge=0, description="activation bytes per sample it sends on")
     sparse_rows_per_sample: float = Field(0.0, ge=0, description="PS rows pulled per sample")
     parallel_fraction: float = Field(1.0, ge=0, le=1, description="Amdahl alpha of its replicas")
+    dense_params: int | None = Field(None, ge=0, description="simulator: its dense parameters (async pushes)")
     time_ms: dict[str, LayerTime] = Field(min_length=1, description="per resource type; absent = cannot run")
 
 

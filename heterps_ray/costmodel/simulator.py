@@ -145,29 +145,39 @@ def simulate(
     micro_batches: int = 1,
     mode: Literal["sync", "async"] = "sync",
     max_in_flight: int | None = 4,
-    forward_fraction: float = 1.0 / 3.0,
+    forward_fraction: float | None = None,
     ps_limit: bool = True,
-    pull_share: float = 0.5,
-    push_client_share: float = 0.0,
-    dense_ms_per_param: float = 0.0,
+    pull_share: float | None = None,
+    push_client_share: float | None = None,
+    dense_ms_per_param: float | None = None,
     dense_params: Mapping[str, int] | None = None,
-    startup_ms: float = 0.0,
+    startup_ms: float | None = None,
     drain_every: int | None = None,
     host_sharing: bool = True,
     latency_in_flight: bool = True,
 ) -> SimResult:
     """Simulate `plan` (a Plan or its JSON mapping) on `problem` for `batches` batches.
 
-    `max_in_flight` None is unbounded; `ps_limit` False gives the PS infinite rate. The rest are
-    runtime details a profile measures (:func:`heterps_ray.profiling.fit.simulator_options`): the
-    pull's share of PS time, the share of a push done by the DataWorker itself, async dense pushes
-    (`dense_ms_per_param` x `dense_params` per layer name), a DataWorker's one-time start-up before
-    its first batch, and `drain_every` (the runtime's driver drains the pipeline every 20 batches).
+    `max_in_flight` None is unbounded; `ps_limit` False gives the PS infinite rate. The runtime details
+    a profile measures come from the problem file unless given here (None): the pull's share of PS
+    time (`ps.pull_share`), the share of a push done by the DataWorker itself (`ps.push_client_share`),
+    async dense pushes (`ps.dense_ms_per_param` x each layer's `dense_params`), the forward pass's share
+    of compute (`runtime.forward_fraction`), a DataWorker's one-time start-up (`runtime.startup_ms`),
+    and `drain_every` (the runtime's driver drains the pipeline between chunks).
     With `host_sharing` (the default) the problem's `hosts` are modelled: actors on one host share
     its cores; False treats every actor as a machine of its own. With `latency_in_flight` (the
     default) a message's latency delays it without occupying either actor (Ray moves it while the
     actors compute); False charges it to both actors' time, as DESIGN.md §3 does.
     """
+    terms = problem.runtime
+    measured_fraction = terms.forward_fraction if terms is not None else None
+    forward_fraction = _given(forward_fraction, measured_fraction, 1.0 / 3.0)
+    pull_share = _given(pull_share, problem.ps.pull_share, 0.5)
+    push_client_share = _given(push_client_share, problem.ps.push_client_share, 0.0)
+    dense_ms_per_param = _given(dense_ms_per_param, problem.ps.dense_ms_per_param, 0.0)
+    startup_ms = _given(startup_ms, terms.startup_ms if terms is not None else None, 0.0)
+    if dense_params is None:
+        dense_params = {layer.name: layer.dense_params or 0 for layer in problem.layers}
     stages, ps = pipeline_model(
         problem,
         plan,
@@ -680,6 +690,13 @@ class _Simulation:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _given(value: float | None, measured: float | None, default: float) -> float:
+    """An explicit argument, else the problem's measured value, else the default."""
+    if value is not None:
+        return value
+    return measured if measured is not None else default
 
 
 def _plan_mapping(plan: Any) -> Mapping[str, Any]:

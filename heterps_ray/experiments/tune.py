@@ -113,7 +113,7 @@ def load_problems(spec: str | Path) -> list[Problem]:
     """Problems from a file, a directory (its *.yaml, *.yml and *.json) or a glob pattern."""
     path = Path(spec)
     if path.is_dir():
-        # problem files, not the profiler's <problem>.runtime.yaml beside them
+        # problem files, not an older profile's <problem>.runtime.yaml side file beside them
         files = sorted(
             p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json") and ".runtime." not in p.name
         )

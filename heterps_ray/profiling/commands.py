@@ -16,7 +16,7 @@ def register(subparsers: Any) -> None:
             "and backward at several batch sizes, 1 vs 2 replicas, actor-to-actor messages, a PS shard and "
             "the input read rate; fit DESIGN.md §3's coefficients by least squares. Writes the problem "
             "YAML (poor fits listed on top), the raw measurements (.measurements.parquet), the fit "
-            "quality (.fit.csv) and simulator extras (.runtime.yaml) beside it. Uses an embedded local "
+            "quality (.fit.csv) beside it. Uses an embedded local "
             "Ray with the cluster's resource types unless --address is given."
         ),
     )
@@ -94,7 +94,7 @@ def _profile(args: argparse.Namespace) -> int:
         f"wrote {paths['problem']} ({len(result.problem['layers'])} layers x {len(result.problem['resources'])} types)"
     )
     print(
-        f"  raw measurements {paths['measurements']}, fit quality {paths['quality']}, extras {paths['runtime']}"
+        f"  raw measurements {paths['measurements']}, fit quality {paths['quality']}"
     )
     if result.flags:
         print(f"{len(result.flags)} poor fits (R² < 0.9, negative or clipped coefficients):")

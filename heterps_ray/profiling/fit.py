@@ -146,9 +146,6 @@ class FitResult:
     quality: pd.DataFrame
     measurements: pd.DataFrame
     flags: list[str] = field(default_factory=list)
-    runtime: dict[str, Any] = field(default_factory=dict)
-    """measured details the problem format has no field for, used by the simulator (see
-    :func:`simulator_options`): PS pull share, async dense push cost, forward share of compute"""
 
 
 def fit_problem(
@@ -219,6 +216,7 @@ def fit_problem(
             "out_bytes_per_sample": int(layer.out_bytes_per_sample),
             "sparse_rows_per_sample": int(layer.sparse_rows_per_sample),
             "parallel_fraction": _round(alpha_value),
+            "dense_params": int(layer.dense_params),
             "time_ms": time_ms,
         }
         layer_entries.append(entry)
@@ -291,12 +289,12 @@ def fit_problem(
     if ps_name not in [t.name for t in types]:
         ps_name = types[0].name
     ps: dict[str, Any] = {"resource": ps_name, "min_shards": int(cluster.ps.min_shards)}
-    runtime: dict[str, Any] = {"dense_params": {layer.name: int(layer.dense_params) for layer in layers}}
+    runtime: dict[str, Any] = {}  # the simulator's measured details of the runtime section
     sel = measurements[measurements["kind"] == "ps"]
     if not sel.empty:
-        runtime["ps_pull_share"] = _round(float((sel["forward_ms"] / sel["ms"]).median()))
+        ps["pull_share"] = _round(float((sel["forward_ms"] / sel["ms"]).median()))
         if sel["client_ms"].notna().all():
-            runtime["ps_push_client_share"] = _round(float((sel["client_ms"] / sel["backward_ms"]).median()))
+            ps["push_client_share"] = _round(float((sel["client_ms"] / sel["backward_ms"]).median()))
         rates = sel["rows"] * sel["calls"] / (sel["ms"] / 1000.0)
         rate = float((sel["rows"] * sel["calls"]).sum() / (sel["ms"].sum() / 1000.0))
         ps["rows_per_second_per_shard"] = _round(rate)
@@ -325,7 +323,7 @@ def fit_problem(
         runtime["startup_ms"] = _round(float(extra.median()))
     sel = measurements[measurements["kind"] == "ps_dense"]
     if not sel.empty:
-        runtime["dense_ms_per_param"] = _round(float(sel["ms"].sum() / (sel["calls"] * sel["rows"]).sum()))
+        ps["dense_ms_per_param"] = _round(float(sel["ms"].sum() / (sel["calls"] * sel["rows"]).sum()))
     sel = measurements[
         (measurements["kind"] == "layer") & (measurements["batch_size"] == _nearest(measurements, batch_size))
     ]
@@ -356,10 +354,10 @@ def fit_problem(
     if hosts:
         problem["hosts"] = hosts
     if execution is not None:
-        problem["runtime"] = _runtime_terms(problem, measurements, execution, rows)
+        problem["runtime"] = {**_runtime_terms(problem, measurements, execution, rows), **runtime}
     quality = pd.DataFrame(rows)
     return FitResult(
-        problem=problem, quality=quality, measurements=measurements, flags=flags, runtime=runtime
+        problem=problem, quality=quality, measurements=measurements, flags=flags
     )
 
 
@@ -437,19 +435,6 @@ def _runtime_terms(
     return terms
 
 
-def simulator_options(runtime: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for :func:`heterps_ray.costmodel.simulator.simulate` from a fit's `runtime`."""
-    names = {
-        "ps_pull_share": "pull_share",
-        "ps_push_client_share": "push_client_share",
-        "startup_ms": "startup_ms",
-        "dense_ms_per_param": "dense_ms_per_param",
-        "dense_params": "dense_params",
-        "forward_fraction": "forward_fraction",
-    }
-    return {names[k]: v for k, v in runtime.items() if k in names}
-
-
 def write_problem(result: FitResult, path: str | Path, header: str = "") -> dict[str, Path]:
     """Write the problem YAML (fit flags as a comment on top), the raw measurements as Parquet
     and the quality table as CSV beside it; returns the paths written."""
@@ -465,20 +450,9 @@ def write_problem(result: FitResult, path: str | Path, header: str = "") -> dict
     path.write_text(text)
     raw = path.with_name(f"{path.stem}.measurements.parquet")
     quality = path.with_name(f"{path.stem}.fit.csv")
-    runtime = runtime_path(path)
     result.measurements.to_parquet(raw, index=False)
     result.quality.to_csv(quality, index=False)
-    runtime.write_text(
-        "# Measured details the problem format has no field for; `heterps simulate` reads them.\n"
-        + yaml.safe_dump(result.runtime, sort_keys=False)
-    )
-    return {"problem": path, "measurements": raw, "quality": quality, "runtime": runtime}
-
-
-def runtime_path(problem_path: str | Path) -> Path:
-    """Where :func:`write_problem` puts the simulator extras of a problem file."""
-    path = Path(problem_path)
-    return path.with_name(f"{path.stem}.runtime.yaml")
+    return {"problem": path, "measurements": raw, "quality": quality}
 
 
 def _shared_hosts(measurements: pd.DataFrame) -> list[dict[str, Any]]:

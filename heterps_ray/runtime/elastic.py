@@ -76,8 +76,9 @@ def profile_joined_types(
 ) -> tuple[Any, list[str]]:
     """`problem` with the `types` it has no profile of (they joined the cluster mid-run) measured now on
     real actors, with the same `settings` (a ProfileSettings) as the first profile, and their fitted
-    entries merged in: each layer's time_ms on them and their resource entry (bandwidth and latency
-    from transfers to their own kind and to the PS type, read rate, per-call work). The PS type is
+    entries merged in: each layer's time_ms on them (calibrated by their runtime probes), their resource
+    entry (bandwidth and latency from transfers to their own kind and to the PS type, read rate, per-call
+    work) and their probes' call_ms (DESIGN.md §3b). The PS type is
     profiled beside them (its actors host the PS run and the other end of the transfers; a PS shard on
     a joined type could find no slot beside its two profiling actors) but its entries, like every
     other type's, the PS service rate and the parallel fractions, stay as first measured. Returns the
@@ -103,4 +104,10 @@ def profile_joined_types(
     by_name = {layer["name"]: layer for layer in fitted["layers"]}
     for layer in data["layers"]:
         layer["time_ms"].update({t: v for t, v in by_name[layer["name"]]["time_ms"].items() if t in joined})
+    calls = (fitted.get("runtime") or {}).get("call_ms", {})  # the probes' call terms of the joined types
+    if "runtime" in data and calls:
+        data["runtime"]["call_ms"] = {
+            **data["runtime"].get("call_ms", {}),
+            **{t: calls[t] for t in joined if t in calls},
+        }
     return problem_from_dict(data), joined
