@@ -130,13 +130,14 @@ def test_run_keeps_the_floor_in_closed_loop_after_an_optimistic_profile(first_ru
     attempts = loop["floor_attempts"]
     assert 1 <= len(attempts) <= 4
     first, *later = attempts
-    assert first["old_plan"] == "embedding..logit@cpu_smallx1 | ps x1"
+    # the cheapest plan the optimistic model finds (one stage: on cpu_small, or on the even more
+    # optimistic cpu_big) promises the floor and misses it
+    assert first["old_plan"].startswith("embedding..logit@cpu_")
     assert first["predicted"] >= floor and first["measured"] < 0.9 * floor  # promised, then missed
     assert first["checkpoint"] and Path(first["checkpoint"]).is_dir()
-    if first["new_plan"] is not None:  # re-planned onto the type the refit did not touch
-        assert first["new_plan"].startswith("embedding..logit@cpu_bigx1 | ps x")
-    else:  # or the refit model (its PS on cpu_small refit too) finds no plan that reaches the floor
-        assert first["refit_best"] < floor and len(attempts) == 1
+    for i, attempt in enumerate(attempts):  # a re-plan onto a type the refits left, or none left
+        if attempt["new_plan"] is None:
+            assert attempt["refit_best"] < floor and i == len(attempts) - 1
     for attempt in attempts:
         if attempt["new_plan"] is not None:  # the refit model prices the plan that missed as measured
             assert attempt["old_plan_refit"] == pytest.approx(attempt["measured"], rel=1e-6)
