@@ -32,6 +32,34 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def cloud_problem_with_runtime_terms(folder: Path, throughput_min: float | None = None) -> Path:
+    """configs/problems/ctr_dnn_cloud.yaml on its cpu and t4 types (2^6 assignments: exact enumerates
+    them fast), with a runtime section (DESIGN.md §3b: async, 2 micro-batches, 1 batch ahead, Ray's
+    per-call cost) under which the base model's optimum is not the optimum; written into `folder`."""
+    import yaml
+
+    from heterps_ray.costmodel import load_problem
+
+    data = load_problem(REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml").to_dict()
+    keep = ("cpu", "t4")
+    data["resources"] = [r for r in data["resources"] if r["name"] in keep]
+    for layer in data["layers"]:
+        layer["time_ms"] = {t: v for t, v in layer["time_ms"].items() if t in keep}
+    if throughput_min is not None:
+        data["throughput_min"] = throughput_min
+    data["runtime"] = {
+        "mode": "async",
+        "micro_batches": 2,
+        "batches_ahead": 1,
+        "call_ms": {"cpu": 2.0, "t4": 1.5},
+        "ps_wait_ms_per_row": 1e-4,
+        "ps_hosted_ms_per_row": 5e-5,
+    }
+    path = folder / "ctr_dnn_runtime.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def tiny_sync_job(name: str, dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
     """A sync ctr_dnn job on the local two-type cluster, small enough to train in seconds."""
     return JobConfig.model_validate(

@@ -125,17 +125,14 @@ def _cluster_files(folder: Path) -> tuple[Path, Path]:
     return folder / "job_cluster.yaml", folder / "head_cluster.yaml"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
-    work = Path(tempfile.mkdtemp(prefix="hps_elastic_"))
-    job_cluster, head_cluster = _cluster_files(work)
-    steps = 1200
-    job = {
-        "name": "elastic-run",
+def _elastic_job(work: Path, job_cluster: Path, name: str, rows: int) -> dict:
+    """The job both elastic `heterps run` tests run: a tiny sync model, small batches, so it is still
+    training when a node leaves or joins; checkpoints every 10 batches."""
+    return {
+        "name": name,
         "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]},
         "cluster": str(job_cluster),
-        "data": {"path": str(work / "data"), "synth_rows": 50_000},
+        "data": {"path": str(work / "data"), "synth_rows": rows},
         "batch_size": 32,
         "samples": 1_000_000,
         "throughput_min": 50,
@@ -145,6 +142,15 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         "seed": 0,
         "runtime": {"checkpoint_every": 10, "micro_batches": 1, "max_in_flight": 1},
     }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
+    work = Path(tempfile.mkdtemp(prefix="hps_elastic_"))
+    job_cluster, head_cluster = _cluster_files(work)
+    steps = 1200
+    job = _elastic_job(work, job_cluster, "elastic-run", 50_000)
     # 45,000 train rows: 1,406 batches of 32, so the run is still training when the node goes.
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     out = work / "out"
@@ -199,20 +205,7 @@ def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
     work = Path(tempfile.mkdtemp(prefix="hps_join_"))
     job_cluster, head_cluster = _cluster_files(work)
     steps = 2400
-    job = {
-        "name": "join-run",
-        "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]},
-        "cluster": str(job_cluster),
-        "data": {"path": str(work / "data"), "synth_rows": 100_000},
-        "batch_size": 32,
-        "samples": 1_000_000,
-        "throughput_min": 50,
-        "mode": "sync",
-        "scheduler": "exact",
-        "output_dir": str(work / "out"),
-        "seed": 0,
-        "runtime": {"checkpoint_every": 10, "micro_batches": 1, "max_in_flight": 1},
-    }
+    job = _elastic_job(work, job_cluster, "join-run", 100_000)
     # 90,000 train rows: 2,812 batches of 32, so the run is still training when the node has joined.
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     out = work / "out"

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import cloud_problem_with_runtime_terms
 
 from heterps_ray.cli import main
 from heterps_ray.experiments import (
@@ -68,35 +69,11 @@ def test_scheduler_comparison_rows_match_direct_schedule_calls(ray_local, tmp_pa
         assert row.scheduled_with == "true"
 
 
-def _runtime_problem(tmp_path):
-    """configs/problems/ctr_dnn_cloud.yaml on its cpu and t4 types (64 assignments), with a runtime
-    section (DESIGN.md §3b) under which the base model's optimum is not the optimum."""
-    import yaml
-
-    from heterps_ray.costmodel import load_problem
-
-    data = load_problem(REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml").to_dict()
-    data["resources"] = [r for r in data["resources"] if r["name"] in ("cpu", "t4")]
-    for layer in data["layers"]:
-        layer["time_ms"] = {t: v for t, v in layer["time_ms"].items() if t in ("cpu", "t4")}
-    data["runtime"] = {
-        "mode": "async",
-        "micro_batches": 2,
-        "batches_ahead": 1,
-        "call_ms": {"cpu": 2.0, "t4": 1.5},
-        "ps_wait_ms_per_row": 1e-4,
-        "ps_hosted_ms_per_row": 5e-5,
-    }
-    path = tmp_path / "ctr_dnn_runtime.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def test_scheduler_comparison_prices_each_plan_under_the_true_and_the_base_model(ray_local, tmp_path, capsys):
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.scheduling import base_model
 
-    path, out = _runtime_problem(tmp_path), tmp_path / "cmp"
+    path, out = cloud_problem_with_runtime_terms(tmp_path), tmp_path / "cmp"
     args = ["tune", "schedulers", "--problems", str(path), "--floors", "0.5,0.9"]
     args += ["--schedulers", "greedy,single", "--budget-s", BUDGET, "-o", str(out)]
     assert main(args) == 0

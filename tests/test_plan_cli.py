@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import cloud_problem_with_runtime_terms
 
 from heterps_ray.cli import main
 from heterps_ray.costmodel import Plan, load_plan, load_problem
@@ -185,34 +186,12 @@ def test_heterps_compare_lists_each_scheduler_with_its_ratio(tmp_path, capsys):
     assert "base cost" not in printed and "cheapest under the true model" not in printed
 
 
-def _with_runtime(tmp_path: Path, throughput_min: float) -> Path:
-    """ctr_dnn_cloud.yaml on its cpu and t4 types (2^6 assignments: exact enumerates them fast), with a
-    runtime section (DESIGN.md §3b): async, 2 micro-batches, 1 batch ahead, Ray's per-call cost."""
-    data = load_problem(CTR).to_dict()
-    keep = ("cpu", "t4")
-    data["resources"] = [r for r in data["resources"] if r["name"] in keep]
-    for layer in data["layers"]:
-        layer["time_ms"] = {t: v for t, v in layer["time_ms"].items() if t in keep}
-    data["throughput_min"] = throughput_min
-    data["runtime"] = {
-        "mode": "async",
-        "micro_batches": 2,
-        "batches_ahead": 1,
-        "call_ms": {"cpu": 2.0, "t4": 1.5},
-        "ps_wait_ms_per_row": 1e-4,
-        "ps_hosted_ms_per_row": 5e-5,
-    }
-    path = tmp_path / "ctr_dnn_runtime.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 @pytest.mark.parametrize("floor", [200_000, 300_000])
 def test_heterps_compare_prices_each_plan_under_the_true_and_the_base_model(floor, tmp_path, capsys):
     from heterps_ray.costmodel import CostModel
     from heterps_ray.scheduling import base_model
 
-    path, out = _with_runtime(tmp_path, floor), tmp_path / "compare.json"
+    path, out = cloud_problem_with_runtime_terms(tmp_path, floor), tmp_path / "compare.json"
     names = "greedy,random,single:cpu"
     assert main(["compare", "--problem", str(path), "--schedulers", names, "--output", str(out)]) == 0
     printed = capsys.readouterr().out
