@@ -16,7 +16,7 @@ from heterps_ray.errors import HeterPSError
 
 # Modules that define `register(subparsers)`; order is the order in `heterps --help`.
 _COMMAND_MODULES = (
-    "heterps_ray.run",
+    "heterps_ray.closedloop.commands",
     "heterps_ray.data.commands",
     "heterps_ray.profiling.commands",
     "heterps_ray.costmodel.commands",

@@ -84,6 +84,22 @@ class PSConfig(BaseModel):
     min_shards: int = Field(1, ge=1)
 
 
+class AutoscaleConfig(BaseModel):
+    """An autoscaling Ray cluster (KubeRay, `ray up`): its worker groups, one per resource type, may
+    start empty; `heterps run` asks Ray's autoscaler for the nodes its profile and its plan need
+    (closedloop/autoscale.py) instead of requiring the types to be declared already."""
+
+    model_config = _STRICT
+
+    enabled: bool = Field(False, description="request the nodes from the cluster's autoscaler (--autoscale)")
+    node_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="seconds to wait for requested nodes; a type not there by then is planned without "
+        "(a cloud node boots in 1-3 min, a GPU node or a cold image pull takes longer)",
+    )
+
+
 class ClusterConfig(BaseModel):
     """The resource types a job may use. On an embedded local Ray, each type is declared as a custom
     resource with `max_instances` units, so actors really are admitted per type."""
@@ -93,6 +109,7 @@ class ClusterConfig(BaseModel):
     name: str
     resource_types: list[ResourceType] = Field(min_length=1)
     ps: PSConfig = PSConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
     @model_validator(mode="after")
     def _check_names(self) -> ClusterConfig:
@@ -192,9 +209,17 @@ class RuntimeConfig(BaseModel):
     checkpoint_every: int = Field(
         0,
         ge=0,
-        description="write a resumable checkpoint (PS snapshots, dense state, data position) every N "
-        "batches; faults roll back to the newest one (0 = none: a fault rolls back to the run's start)",
+        description="also write a resumable checkpoint (PS snapshots, dense state, data position) every N "
+        "batches (0 = by time only, see checkpoint_interval_s); faults roll back to the newest one",
     )
+    checkpoint_interval_s: float = Field(
+        300.0,
+        ge=0,
+        description="write a checkpoint at the first chunk boundary this many seconds after the last one "
+        "(0 = not by time); with the checkpoint after the last batch, a fault or a driver death costs "
+        "at most this much training",
+    )
+    checkpoint_keep: int = Field(2, ge=1, description="the newest checkpoints kept (older ones are removed)")
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
     )

@@ -39,6 +39,13 @@ class DataError(HeterPSError):
     category = "data"
 
 
+class StorageError(HeterPSError):
+    """A file of the run could not be written (a full disk, a lost mount); what was written before stays."""
+
+    category = "storage"
+    exit_code = 1
+
+
 class InfeasibleError(HeterPSError):
     """No plan reaches the throughput floor; the message gives the highest reachable throughput."""
 

@@ -115,12 +115,13 @@ def main() -> None:
 
 def _profile(job: Any, path: Path, quick: bool) -> Path:
     """`heterps profile JOB -o path` (the problem file, its runtime section included)."""
+    from heterps_ray.closedloop.probes import profile_job
     from heterps_ray.profiling.fit import write_problem
-    from heterps_ray.profiling.profiler import ProfileSettings, profile
+    from heterps_ray.profiling.profiler import ProfileSettings
 
     t0 = time.perf_counter()
     settings = ProfileSettings.quick(progress=False) if quick else ProfileSettings(progress=False)
-    result = profile(job, settings)
+    result = profile_job(job, settings)
     written = write_problem(result, path, header=str(result.problem.get("notes", "")))["problem"]
     print(
         f"profiled in {time.perf_counter() - t0:.0f} s -> {written} ({len(result.flags)} poor fits)",
@@ -224,7 +225,8 @@ def _run_plans(
     job: Any, plans: list[dict[str, Any]], args: argparse.Namespace, load: list[float]
 ) -> dict[str, list[dict[str, Any]]]:
     """Every distinct plan `--rounds` times, the order reversed every other round."""
-    from heterps_ray.runtime.driver import CHUNK_STEPS, train
+    from heterps_ray.runtime.driver import train
+    from heterps_ray.runtime.loop import CHUNK_STEPS
 
     distinct = {p["key"]: p["plan"] for p in plans}
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in distinct}

@@ -164,7 +164,8 @@ def main() -> None:
     from heterps_ray.config import load_job
     from heterps_ray.costmodel import CostModel, Plan, load_problem
     from heterps_ray.models import build_model
-    from heterps_ray.runtime.driver import _dataset_files, _Run
+    from heterps_ray.runtime.actors import ActorSet
+    from heterps_ray.runtime.driver import _dataset_files
     from heterps_ray.runtime.pipeline import resolve_stages
 
     validation = _validation_module()
@@ -199,10 +200,10 @@ def main() -> None:
         model = build_model(job.model)
         stages = resolve_stages(plan, model, job)
         train_files, _ = _dataset_files(job)
-        run = _Run(job, model, stages, case.ps_shards, train_files)
+        run = ActorSet(job, model, stages, case.ps_shards, train_files)
         run.start()
         workers = len(run.data_workers)
-        # Replace the DataWorkers by timed ones built the same way (driver._Run.start)
+        # Replace the DataWorkers by timed ones built the same way (ActorSet.new_data_worker)
         from heterps_ray.runtime.workers import DataSettings
 
         timed_cls = ray.remote(_timed_data_worker_class())
@@ -217,12 +218,12 @@ def main() -> None:
                 max_in_flight=job.runtime.max_in_flight,
             )
             run.data_workers[i] = timed_cls.options(**job.cluster.type(stages[0].type).actor_options()).remote(
-                i, stages[0], model, run._settings(stages[0]), data, run.stage_workers, run.shards,
-                run._dense_ps(stages[0]),
+                i, stages[0], model, run.worker_settings(stages[0]), data, run.stage_workers, run.shards,
+                run.dense_ps(stages[0]),
             )  # fmt: skip
         ray.get([w.describe.remote() for w in run.data_workers])
         try:
-            before_stats = run._stage_stats()
+            before_stats = run.stage_stats()
             before_ps = run.ps_stats()
             cpu0 = _cpu_by_pid()
             wall0 = time.perf_counter()
@@ -234,7 +235,7 @@ def main() -> None:
             wall = time.perf_counter() - wall0
             cpu1 = _cpu_by_pid()
             timings = ray.get([w.timings.remote() for w in run.data_workers])
-            after_stats = run._stage_stats()
+            after_stats = run.stage_stats()
             after_ps = run.ps_stats()
         finally:
             run.shutdown()

@@ -104,6 +104,7 @@ def main() -> None:
 
     import ray
 
+    from heterps_ray.closedloop.probes import run_probe
     from heterps_ray.config import load_job
     from heterps_ray.data import DEFAULT_EVAL_FRACTION
     from heterps_ray.models import build_model
@@ -142,7 +143,7 @@ def main() -> None:
 
     def profiled(tag: str, runs: int = 1) -> Path:
         t0 = time.perf_counter()
-        profiles.append(measure(job, spec, settings))
+        profiles.append(measure(job, spec, settings, run_probe))
         result = fit_runs(job, profiles[-runs:], settings)
         path = write_problem(result, args.output_dir / f"problem{tag}.yaml", header=result.problem["notes"])[
             "problem"
@@ -237,7 +238,7 @@ def _predict(problem_file: Path, row: dict[str, Any]) -> dict[str, Any]:
     """Analytic and simulated throughput of a measured run (a row of results.json) on a problem file."""
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.costmodel.simulator import simulate
-    from heterps_ray.runtime.driver import CHUNK_STEPS
+    from heterps_ray.runtime.loop import CHUNK_STEPS
 
     problem = load_problem(problem_file)
     case = Case(row["case"], tuple(row["assignment"]), tuple(row["replicas"]), row["mode"], row["micro_batches"],
@@ -280,7 +281,7 @@ def _repredict(measured: Path, problem: Path | None) -> None:
     if not problem_file.is_absolute() and not problem_file.exists():
         problem_file = measured.parent / problem_file
     rows = []
-    from heterps_ray.runtime.driver import steady_rate
+    from heterps_ray.runtime.loop import steady_rate
 
     for row in saved["rows"]:
         if "measured_whole_run" not in row:  # saved before the steady rate: derive it from the chunks

@@ -48,3 +48,37 @@ class ActorKiller:
             ray.kill(victim, no_restart=True)
         else:
             os.kill(pid, signal.SIGKILL)
+
+
+class PhaseKiller:
+    """An ``on_chunk`` hook that arms one actor (heterps_ray.chaos.FaultPoints) at the first chunk
+    boundary from step `at` on, so that it dies inside its next call of phase `point` (checkpoint,
+    evaluate, save, ...): by "sigkill" of its own process, or by "ray.kill" from a thread here once the
+    actor signals that it is inside the call. `victim` picks the actor from the LiveActors."""
+
+    def __init__(self, kind: str, point: str, method: str, at: int, flag_dir: str):
+        self.kind, self.point, self.method, self.at, self.flag_dir = kind, point, method, at, flag_dir
+        self.armed_at: int | None = None
+        self.struck = threading.Event()
+
+    def __call__(self, live: Any) -> None:
+        if self.armed_at is not None or live.step < self.at:
+            return
+        victim = {
+            "ps_shard": live.shards[0],
+            "data_worker": live.data_workers[0],
+            "stage_worker": live.stage_workers[0][0] if live.stage_workers else None,
+        }[self.kind]
+        flag = os.path.join(self.flag_dir, f"{self.kind}-{self.point}.flag")
+        how = "sigkill" if self.method == "sigkill" else "wait"
+        ray.get(victim.arm_fault.remote(self.point, how, flag))
+        self.armed_at = live.step
+        if how == "wait":
+            threading.Thread(target=self._kill_when_inside, args=(victim, flag), daemon=True).start()
+
+    def _kill_when_inside(self, victim: Any, flag: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not os.path.exists(flag):
+            time.sleep(0.01)
+        ray.kill(victim, no_restart=True)
+        self.struck.set()

@@ -18,13 +18,14 @@ import pytest
 import yaml
 from helpers import TINY_BATCH, TINY_MODEL, LocalRayCluster, tiny_sync_job
 
+from heterps_ray.closedloop.problems import restrict_problem
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import load_problem
 from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.errors import InfeasibleError
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import train
-from heterps_ray.runtime.elastic import change_reason, restrict_problem
+from heterps_ray.runtime.elastic import change_reason
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "configs" / "plans"

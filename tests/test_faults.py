@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 import pytest
 import ray
-from fault_injection import ActorKiller
+from fault_injection import ActorKiller, PhaseKiller
 
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.costmodel.plan import Plan, load_plan
@@ -108,14 +108,56 @@ def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
     assert extra["restarts"] == 1
 
     np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
-    assert abs(summary.auc - undisturbed.auc) < 0.01
+    assert summary.auc == pytest.approx(undisturbed.auc, abs=1e-6)
+    _same_model(summary, undisturbed)
+
+
+def _same_model(summary: RunSummary, undisturbed: RunSummary) -> None:
+    """The trained model of `summary` equals the undisturbed run's (dense and sparse, 1e-6)."""
     dense_a, sparse_a = _model(undisturbed)
     dense_b, sparse_b = _model(summary)
     for name in dense_a:
         np.testing.assert_allclose(dense_b[name], dense_a[name], rtol=0, atol=1e-6, err_msg=name)
     np.testing.assert_array_equal(sparse_b["keys"], sparse_a["keys"])
-    np.testing.assert_allclose(sparse_b["weights"], sparse_a["weights"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(sparse_b["accumulators"], sparse_a["accumulators"], rtol=0, atol=1e-6)
+    for key in ("weights", "accumulators"):
+        np.testing.assert_allclose(sparse_b[key], sparse_a[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "kind,point,method",
+    [
+        # after the last batch: evaluation and saving talk to the actors too
+        ("data_worker", "evaluate", "sigkill"),
+        ("stage_worker", "save", "ray.kill"),
+        # inside a checkpoint while training, and a PS shard evaluating: in the slow set
+        pytest.param("ps_shard", "checkpoint", "sigkill", marks=pytest.mark.slow),
+        pytest.param("ps_shard", "evaluate", "ray.kill", marks=pytest.mark.slow),
+    ],
+)
+def test_an_actor_dying_in_any_phase_ends_the_run_as_an_undisturbed_one(
+    ray_local, dataset, tmp_path, undisturbed, kind, point, method
+):
+    """A fault in evaluation, in saving or mid-checkpoint: the actor is replaced, every actor rolls back
+    to the trained state made durable after the last batch (or the checkpoint before), the phase is done
+    again, and the run ends with the AUC, logloss and model an undisturbed run gives."""
+    at = EVERY if point == "checkpoint" else STEPS  # armed at a chunk boundary before the phase
+    killer = PhaseKiller(kind, point, method, at=at, flag_dir=str(tmp_path))
+    job = make_job(dataset, tmp_path / "out", ps_hosting="actors" if kind == "ps_shard" else "auto")
+    summary = train(
+        job, load_plan(PLANS / "small_three_stage.json"), steps=STEPS, progress=False, on_chunk=killer
+    )
+
+    assert killer.armed_at == at
+    (fault,) = summary.extra["faults"]
+    assert fault["phase"] == ("train" if point == "checkpoint" else point)
+    assert [(a["kind"], a["replica"]) for a in fault["actors"]] == [(kind, 0)]
+    if point != "checkpoint":  # after the last batch: rolled back to the trained state, nothing replayed
+        assert fault["rolled_back_to"] == STEPS and fault["batches_replayed"] == 0
+    extra = summary.extra
+    assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (STEPS, 0, 0)
+    assert (summary.auc, summary.logloss) == pytest.approx((undisturbed.auc, undisturbed.logloss), abs=1e-6)
+    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
+    _same_model(summary, undisturbed)
 
 
 def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset, tmp_path, undisturbed):

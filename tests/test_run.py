@@ -9,14 +9,14 @@ import pytest
 import yaml
 
 from heterps_ray.cli import main
+from heterps_ray.closedloop import REPORT_FILE, run_job
 from heterps_ray.config import load_job
 from heterps_ray.costmodel import load_problem, one_replica_per_stage
 from heterps_ray.costmodel.calibrate import refit, scale_times
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.errors import ConfigError, InfeasibleError
-from heterps_ray.run import REPORT_FILE, run_job
-from heterps_ray.runtime.driver import FLOOR_WINDOW_S
+from heterps_ray.runtime.loop import FLOOR_WINDOW_S
 from heterps_ray.scheduling import get_scheduler
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.runtime.checkpoint import load_checkpoint
-from heterps_ray.runtime.driver import CHUNK_STEPS, SUMMARY_FILE, steady_rate, train
+from heterps_ray.runtime.driver import SUMMARY_FILE, train
+from heterps_ray.runtime.loop import CHUNK_STEPS, steady_rate
 from heterps_ray.runtime.reference import ReferenceTrainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -54,11 +54,12 @@ def _profile(args: argparse.Namespace) -> int:
 
     import ray
 
+    from heterps_ray.closedloop.probes import profile_job
     from heterps_ray.cluster import connect
     from heterps_ray.config import load_job
     from heterps_ray.errors import ConfigError
     from heterps_ray.profiling.fit import write_problem
-    from heterps_ray.profiling.profiler import ProfileSettings, profile
+    from heterps_ray.profiling.profiler import ProfileSettings
 
     job = load_job(args.job)
     base = ProfileSettings.quick if args.quick else ProfileSettings
@@ -85,7 +86,7 @@ def _profile(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, batch_sizes=sizes)
     owns_ray = connect(job.cluster, args.address)
     try:
-        result = profile(job, settings)
+        result = profile_job(job, settings)
     finally:
         if owns_ray:
             ray.shutdown()

@@ -12,11 +12,19 @@ Each probe is one measurement row (kind ``probe``): the plan's steady ms per bat
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
 ends in `layer` (the last layer of the first stage). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted layers,
 bytes and input explain; the remainder is the term.
+
+This module says what to probe. Running a probe trains with the runtime, which sits above profiling:
+the runner is passed in (:data:`ProbeRunner`; heterps_ray.closedloop.probes.run_probe).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from heterps_ray.config import JobConfig
+
+# (job, layers, caller type, callee type, split, steps) -> steady ms per batch of that sync plan
+ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
 PROBE_STEPS = 0  # batches per probe; 0: enough for two of the dataset's read chunks (probe_steps)
 
@@ -43,43 +51,3 @@ def probe_plans(job: JobConfig, layers: list[str], types: list[str]) -> list[tup
         if len(types) > 1:
             probes.append((types[1], first, 1))
     return probes
-
-
-def run_probe(
-    job: JobConfig, layers: list[str], caller: str, callee: str, split: int, steps: int = PROBE_STEPS
-) -> float:
-    """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`."""
-    from heterps_ray.costmodel.plan import Plan, PlanStage
-    from heterps_ray.runtime.driver import train
-
-    stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
-    if split < len(layers):
-        stages.append(PlanStage(tuple(layers[split:]), callee, 1, 0.0, 0.0))
-    plan = Plan(
-        problem=f"probe of {job.name}",
-        assignment=tuple(t for s in stages for t in [s.type] * len(s.layers)),
-        stages=tuple(stages),
-        ps_shards=1,
-        ps_type=job.cluster.ps_resource,
-        ps_throughput=0.0,
-        throughput=0.0,
-        throughput_min=0.0,
-        cost=0.0,
-        cost_rate=0.0,
-        feasible=True,
-        scheduler="probe",
-        seconds=0.0,
-        batch_size=job.batch_size,
-    )
-    probe_job = job.model_copy(
-        update={
-            "mode": "sync",
-            "runtime": job.runtime.model_copy(
-                update={"micro_batches": 1, "batches_ahead": 0, "ps_hosting": "auto", "checkpoint_every": 0,
-                        "train_steps": None, "compiled_graph": False, "ps_shards": None, "epochs": 1000}
-            ),
-        }
-    )  # fmt: skip
-    summary = train(probe_job, plan, steps=probe_steps(job, steps), progress=False, save=False)
-    rate = summary.steady_throughput or summary.throughput
-    return 1000.0 * job.batch_size / rate

@@ -35,7 +35,7 @@ from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
-from heterps_ray.profiling.probes import PROBE_STEPS, probe_plans, probe_steps, run_probe
+from heterps_ray.profiling.probes import PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
 
 _BYTES_PER_MB = 1 << 20
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
@@ -353,10 +353,14 @@ class LayerProfiler:
         return self._inputs[batch_size]
 
 
-def profile(job: JobConfig, settings: ProfileSettings | None = None) -> FitResult:
-    """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file."""
+def profile(
+    job: JobConfig, settings: ProfileSettings | None = None, run_probe: ProbeRunner | None = None
+) -> FitResult:
+    """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file.
+    `run_probe` trains the runtime probes (heterps_ray.closedloop.probes.run_probe); it is needed
+    unless ``settings.probe_steps`` is None."""
     settings = settings or ProfileSettings()
-    return fit_runs(job, [measure(job, build_model(job.model), settings)], settings)
+    return fit_runs(job, [measure(job, build_model(job.model), settings, run_probe)], settings)
 
 
 def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) -> FitResult:
@@ -417,9 +421,18 @@ def execution_of(job: JobConfig) -> dict[str, Any]:
     }
 
 
-def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> ProfileRun:
-    """Take every measurement on the live cluster; returns the raw rows (columns :data:`COLUMNS`)."""
+def measure(
+    job: JobConfig, spec: ModelSpec, settings: ProfileSettings, run_probe: ProbeRunner | None = None
+) -> ProfileRun:
+    """Take every measurement on the live cluster; returns the raw rows (columns :data:`COLUMNS`).
+    The runtime probes are trained by `run_probe` (see :func:`profile`)."""
     from tqdm.auto import tqdm
+
+    if settings.probe_steps is not None and run_probe is None:
+        raise ValueError(
+            "runtime probes need a runner: pass run_probe=heterps_ray.closedloop.probes.run_probe, "
+            "or ProfileSettings(probe_steps=None) for no probes"
+        )
 
     available = ray.cluster_resources()
     present = [t for t in job.cluster.resource_types if available.get(t.name, 0) >= 1]
@@ -483,8 +496,8 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
         for group in actors.values():
             for actor in group:
                 ray.kill(actor)
-    if settings.probe_steps is not None:  # after the profiling actors are gone: they need the slots
-        rows += _probe_runs(job, spec, [t.name for t in present], settings)
+    if run_probe is not None and settings.probe_steps is not None:  # the actors are gone: slots free
+        rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe)
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
     # Other processes on the machine inflate (and scatter) every time measured here; say how busy it was.
@@ -495,7 +508,9 @@ def measure(job: JobConfig, spec: ModelSpec, settings: ProfileSettings) -> Profi
     return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes)
 
 
-def _probe_runs(job: JobConfig, spec: ModelSpec, types: list[str], settings: ProfileSettings) -> list[_Row]:
+def _probe_runs(
+    job: JobConfig, spec: ModelSpec, types: list[str], settings: ProfileSettings, run_probe: ProbeRunner
+) -> list[_Row]:
     """The runtime probes (probes.py): one row per probe with its steady ms per batch, on the job's
     data (a synthetic dataset as large as the probes read when the job has none yet)."""
     import tempfile

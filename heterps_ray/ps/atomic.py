@@ -42,13 +42,18 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
 
 def write_npz_atomic(path: str | Path, arrays: dict[str, Any]) -> Path:
     """np.savez of plain numeric arrays, written atomically (object arrays are refused: no pickle)."""
+    return write_bytes_atomic(path, npz_bytes(path, arrays))
+
+
+def npz_bytes(path: str | Path, arrays: dict[str, Any]) -> bytes:
+    """The bytes of an .npz of plain numeric arrays (`path` names the file in the error for objects)."""
     buffer = io.BytesIO()
     plain: dict[str, Any] = {k: np.asarray(v) for k, v in arrays.items()}
     for name, value in plain.items():
         if value.dtype.hasobject:
             raise ValueError(f"{path}: array {name!r} holds Python objects; only numeric arrays are saved")
     np.savez(buffer, **plain)
-    return write_bytes_atomic(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:

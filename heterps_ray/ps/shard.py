@@ -23,15 +23,19 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import socket
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
+from heterps_ray.chaos import FaultPoints
 from heterps_ray.errors import DataError
-from heterps_ray.ps.atomic import read_npz, write_npz_atomic
+from heterps_ray.ps.atomic import npz_bytes, read_npz, write_bytes_atomic
 from heterps_ray.ps.table import SparseTable, splitmix64, sum_rows
 
 _SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
@@ -145,15 +149,21 @@ class PSShard:
         self._started = time.perf_counter()
         # in a Ray worker (an actor, or hosted in a DataWorker); a plain object elsewhere
         self._metrics = _ShardMetrics(index) if ray.is_initialized() else None
+        self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
 
     def describe(self) -> dict[str, Any]:
         """Where this shard runs: its index, pid and the Ray resources it was given."""
         return actor_placement(role="ps", index=self.index)
 
+    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
+        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
+        self.faults.arm(point, how, flag)
+
     # -- sparse -------------------------------------------------------------------------------
 
     def pull(self, table: str, keys: np.ndarray, create: bool = True, unique: bool = False) -> np.ndarray:
         """Rows for `keys` (all of this shard's partition), float32[n, dim]; `unique`: keys distinct."""
+        self.faults.reached("train" if create else "evaluate")
         t0 = time.perf_counter()
         rows = self._tables[table].pull(keys, create=create, unique=unique)
         self._counts["pulls"] += 1
@@ -254,6 +264,10 @@ class PSShard:
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything this shard holds as flat named numpy arrays (no pickled objects)."""
+        self.faults.reached("save")
+        return self._state()
+
+    def _state(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {
             "shard/index": np.array(self.index, dtype=np.int64),
             "shard/num_shards": np.array(self.num_shards, dtype=np.int64),
@@ -285,9 +299,21 @@ class PSShard:
             if k.startswith("applied/")
         }
 
-    def snapshot(self, path: str) -> str:
-        """Write :meth:`state` to `path` as an .npz, atomically (temporary file, fsync, rename)."""
-        return str(write_npz_atomic(path, self.state()))
+    def snapshot(self, path: str) -> dict[str, Any]:
+        """Write :meth:`state` to `path` as an .npz, atomically (temporary file, fsync, rename), and
+        report what was written where: the file, its SHA-256 and size, and the Ray node and host that
+        wrote it (the driver cannot hash a file on another node's disk; the manifest lists these)."""
+        self.faults.reached("checkpoint")
+        data = npz_bytes(path, self._state())
+        write_bytes_atomic(path, data)
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        return {
+            "file": Path(path).name,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+            "node": node,
+            "host": socket.gethostname(),
+        }
 
     def restore(self, path: str) -> None:
         """Load a :meth:`snapshot` file (a DataError naming it if it is truncated, corrupted or not
@@ -436,8 +462,10 @@ class PSClient:
         return [] if self.hosted else calls
 
     def stats(self) -> list[dict[str, Any]]:
-        return [self._call(s, "stats") for s in range(len(self.shards))] if self.hosted else ray.get(
-            [s.stats.remote() for s in self.shards]
+        return (
+            [self._call(s, "stats") for s in range(len(self.shards))]
+            if self.hosted
+            else ray.get([s.stats.remote() for s in self.shards])
         )
 
     def states(self) -> list[dict[str, np.ndarray]]:

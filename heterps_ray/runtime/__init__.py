@@ -33,10 +33,13 @@ Design (see DESIGN.md §1):
   local; a replicated stage's weights live on a PS shard (push gradients, fresh weights back
   when more than ``runtime.max_staleness`` behind). ``runtime.batches_ahead`` lets a DataWorker
   start batches before its earlier ones are applied. docs/DESIGN.md "Staleness" states the bounds.
-* **Driver** (``driver.train`` / ``heterps train``): starts the actors, drives the DataWorkers in
-  chunks of steps, shows progress, evaluates AUC/logloss through the pipeline, and writes
-  ``run_summary.json`` and ``model/`` (``checkpoint.py``: .npz, no pickle).
-* **Faults** (``faults.py``): a dead actor is re-created with the same options, every actor rolls
+* **Driver** (``driver.train`` / ``heterps train``) wires one run's parts in order: the actor set
+  (``actors.py``: start, place, replace, rewire), the chunk loop (``loop.py``: chunks of steps,
+  progress, tracking, the elastic and floor checks), recovery (``recovery.py``), checkpoints taken
+  and restored, also into another plan (``snapshots.py``; the folder format and model files in
+  ``checkpoint.py``: .npz, no pickle), then evaluation, accounting and the saved model
+  (``finish.py``) and ``run_summary.json``.
+* **Faults** (``faults.py``, ``recovery.py``): a dead actor is re-created with the same options, every actor rolls
   back to the newest checkpoint (else the run's start) and the batches since are replayed; calls
   sent before the recovery carry an older generation and are dropped. PS shards count the pushes
   they applied per (DataWorker, batch), so the summary proves no batch was lost or applied twice.

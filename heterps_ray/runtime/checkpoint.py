@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ import torch
 from heterps_ray.config import ModelConfig
 from heterps_ray.errors import DataError
 from heterps_ray.models import LayerChain, ModelSpec, build_model
+from heterps_ray.paths import inside
 from heterps_ray.ps.atomic import fsync_dir, read_npz, sha256_of, write_bytes_atomic, write_npz_atomic
 from heterps_ray.ps.table import SparseTable
 
@@ -99,12 +101,38 @@ def verify_manifest(directory: str | Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: not a checkpoint manifest (JSON with 'files'): {exc}") from None
     for name, digest in listed.items():
-        file = directory / name
+        file = inside(directory, name, source=path, field="files")
         if not file.is_file():
             raise DataError(f"{file}: listed in {path} but missing")
         if sha256_of(file) != digest:
             raise DataError(f"{file}: SHA-256 differs from {path} (the file is truncated or corrupted)")
+    _verify_shards(directory, path, manifest)
     return manifest
+
+
+def _verify_shards(directory: Path, path: Path, manifest: dict[str, Any]) -> None:
+    """A training checkpoint's PS shard snapshots, as each shard reported writing them: every one
+    present with its SHA-256, as many as the shard count. The driver cannot see a file written to
+    another node's own disk, so `files` alone would pass a checkpoint that lacks it."""
+    shards = manifest.get("shards")
+    if shards is None:
+        return  # a model directory, or a checkpoint written before shards reported their snapshots
+    if len(shards) != manifest.get("ps_shards"):
+        raise DataError(
+            f"{path}: {len(shards)} PS shard snapshots listed for ps_shards={manifest.get('ps_shards')}"
+        )
+    for shard in shards:
+        file = inside(directory, str(shard.get("file", "")), source=path, field="shards")
+        writer = f"written by node {shard.get('node') or '?'} (host {shard.get('host') or '?'})"
+        if not file.is_file():
+            raise DataError(
+                f"{file}: PS shard snapshot missing, {writer}; the checkpoint is incomplete (output_dir must "
+                "be on storage every node mounts at the same path)"
+            )
+        if sha256_of(file) != shard.get("sha256"):
+            raise DataError(
+                f"{file}: PS shard snapshot {writer} differs from its SHA-256 (truncated or corrupted)"
+            )
 
 
 def _fresh_tmp_dir(directory: Path) -> Path:
@@ -113,7 +141,13 @@ def _fresh_tmp_dir(directory: Path) -> Path:
 
 
 def _swap_in(tmp: Path, directory: Path) -> None:
-    """Rename `tmp` to `directory`; an old `directory` is moved aside first and removed only after."""
+    """Put `tmp` in place of `directory`. An existing `directory` is exchanged with `tmp` in one atomic
+    rename (Linux renameat2), so a reader sees the old or the new directory, never none; elsewhere the
+    old one is moved aside first and removed only after."""
+    if directory.exists() and _exchange(tmp, directory):
+        fsync_dir(directory.parent)
+        shutil.rmtree(tmp)  # now the old directory
+        return
     old = None
     if directory.exists():
         old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -123,6 +157,29 @@ def _swap_in(tmp: Path, directory: Path) -> None:
     fsync_dir(directory.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where the OS cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2  # <fcntl.h>, <linux/fs.h>
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def remove_leftovers(output_dir: str | Path) -> list[Path]:
+    """Temporary directories a killed run left behind (a checkpoint or model half written, an old
+    model moved aside): removed at the next start; returns what was removed."""
+    root = Path(output_dir)
+    found = [*(root / CHECKPOINTS_DIR).glob(".step-*.tmp"), *root.glob(f".{MODEL_DIR}.*.tmp")]
+    found += root.glob(f".{MODEL_DIR}.old-*")
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
 
 
 @dataclass
@@ -175,8 +232,9 @@ def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoi
         init_scale=settings["init_scale"],
     )
     parts: dict[str, list[np.ndarray]] = {"keys": [], "weights": [], "accumulators": []}
-    for name in settings["files"]:
-        data = read_npz(directory / name)
+    for i, name in enumerate(settings["files"]):
+        field = f"tables.{table}.files[{i}]"
+        data = read_npz(inside(directory, name, source=directory / "model.json", field=field))
         for k in parts:
             parts[k].append(data[k])
     sparse.load_state({k: np.concatenate(v) for k, v in parts.items()})
@@ -209,6 +267,11 @@ def commit_training_checkpoint(
     return final
 
 
+def has_training_checkpoint(output_dir: str | Path) -> bool:
+    """Whether output_dir/checkpoints holds any step-XXXXXXXX directory (valid or not)."""
+    return any((Path(output_dir) / CHECKPOINTS_DIR).glob("step-*"))
+
+
 def latest_training_checkpoint(output_dir: str | Path) -> tuple[Path, dict[str, Any], list[str]]:
     """(directory, manifest, why newer ones were skipped) of the newest checkpoint that verifies."""
     root = Path(output_dir) / CHECKPOINTS_DIR
@@ -220,4 +283,21 @@ def latest_training_checkpoint(output_dir: str | Path) -> tuple[Path, dict[str, 
             skipped.append(str(exc))
     if skipped:
         raise DataError(f"{root}: no valid checkpoint; newest problem: {skipped[0]}")
-    raise DataError(f"{root}: no checkpoint to resume from (set runtime.checkpoint_every)")
+    raise DataError(
+        f"{root}: no checkpoint to resume from (a run writes one every runtime.checkpoint_interval_s and after its last batch)"
+    )
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with numpy scalars, paths and tuples as plain JSON types (non-finite floats as null)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,7 +1,7 @@
 """Actor faults during training: telling an actor's death from a bug, describing how it died, what
 each recovery did, and the count that proves a sync run applied every batch exactly once.
 
-The driver (``driver._Run``) recovers: it finds the dead actors, re-creates them with the same
+The driver recovers (recovery.py): it finds the dead actors, re-creates them with the same
 actor options, rolls every actor back to the newest recovery point (a checkpoint, else the run's
 start) and replays the batches since it. See :class:`FaultRecord` for what the run summary lists.
 """
@@ -38,6 +38,9 @@ class FaultRecord:
     batches_replayed: int  # batches trained after the recovery point, trained again
     updates_lost: int  # sparse updates applied after the recovery point that the restore discarded
     lower_bound: bool  # a DataWorker died mid-chunk: the two counts above are at least these
+    phase: str = (
+        "train"  # what the run was doing: train, or a phase after the last batch (evaluate, save, ...)
+    )
 
 
 # A compiled chain (chain.py) sees a dead actor as a closed or silent channel; the probes of the

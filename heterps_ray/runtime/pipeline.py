@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from heterps_ray.config import ClusterConfig, JobConfig
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec
 
@@ -41,10 +42,10 @@ class StageSpec:
         }
 
 
-def resolve_stages(plan: Any, model: ModelSpec, job: JobConfig, file: str | None = None) -> list[StageSpec]:
+def resolve_stages(plan: Plan, model: ModelSpec, job: JobConfig, file: str | None = None) -> list[StageSpec]:
     """The plan's stages as layer ranges, checked against the model, cluster and mode (ConfigError).
 
-    `plan` is a :class:`heterps_ray.scheduling.Plan`; stages must cover the model's layers in order.
+    Stages must cover the model's layers in order.
     """
     names = [layer.name for layer in model.layers]
     assignment = list(plan.assignment)
@@ -105,7 +106,7 @@ def resolve_stages(plan: Any, model: ModelSpec, job: JobConfig, file: str | None
         raise ConfigError(
             file, "stages", f"stages covering all {len(names)} layers {names}", f"{start} layers"
         )
-    ps_type = getattr(plan, "ps_type", "")
+    ps_type = plan.ps_type
     if ps_type and ps_type not in known:
         # The runtime places shards on the cluster's PS type; a plan naming another cluster's is stale.
         raise ConfigError(

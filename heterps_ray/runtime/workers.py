@@ -23,6 +23,7 @@ import numpy as np
 import ray
 import torch
 
+from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
@@ -145,6 +146,7 @@ class StageWorker:
         self._busy = _Busy()
         self._counts = {"forward": 0, "backward": 0, "samples": 0, "updates": 0, "peak_pending": 0}
         self._metrics = _Metrics("stage", stage.index, replica)
+        self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
 
     def describe(self) -> dict[str, Any]:
         return _placement(
@@ -156,8 +158,13 @@ class StageWorker:
             layers=list(self.stage.layers),
         )
 
+    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
+        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
+        self.faults.arm(point, how, flag)
+
     def forward(self, mb_id: int, x: Wire, gen: int = 0) -> Wire:
         """Forward one micro-batch and keep what backward needs (nothing for a stale `gen`)."""
+        self.faults.reached("train")
         if gen < self._generation:
             return []
         with self._busy:
@@ -196,6 +203,7 @@ class StageWorker:
 
     def predict(self, x: Wire) -> Wire:
         """Forward only (evaluation); nothing is kept."""
+        self.faults.reached("evaluate")
         self.compute.settle()
         with self._busy, torch.no_grad():
             return to_wire(self.compute.module(from_wire(x, self.device)))
@@ -250,10 +258,12 @@ class StageWorker:
 
     def dense_state(self) -> dict[str, np.ndarray]:
         """The stage's dense weights under their whole-model names."""
+        self.faults.reached("save")
         return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""
+        self.faults.reached("checkpoint")
         return self.compute.train_state()
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> None:
@@ -314,6 +324,7 @@ class DataWorker:
         torch.set_num_threads(settings.torch_threads)
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
         self._generation = generation  # see StageWorker: tags every call this worker sends
+        self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
         self.model = model
         self.compute = _compute(stage0, model, settings, dense_ps)
         self.device = self.compute.device
@@ -365,8 +376,13 @@ class DataWorker:
 
     # -- training ---------------------------------------------------------------------------------
 
+    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
+        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
+        self.faults.arm(point, how, flag)
+
     def run(self, steps: int) -> dict[str, Any]:
         """Train up to `steps` batches; returns their losses (in batch order) and counters."""
+        self.faults.reached("train")
         t0 = time.perf_counter()
         first_batch = self._batch_index
         exhausted = False
@@ -612,6 +628,7 @@ class DataWorker:
         """Forward only over `split` (this worker's `files`, or all): logits and labels."""
         from heterps_ray.data.dataset import Dataset
 
+        self.faults.reached("evaluate")
         dataset = Dataset(self.data.path)
         paths = None if files is None else [Path(f) for f in files]
         self.compute.settle()
@@ -662,10 +679,12 @@ class DataWorker:
         return out
 
     def dense_state(self) -> dict[str, np.ndarray]:
+        self.faults.reached("save")
         return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """Between runs: weights, optimizer state (sync) and the position in the data."""
+        self.faults.reached("checkpoint")
         return {
             **self.compute.train_state(),
             "data/batch_index": np.array(self._batch_index, dtype=np.int64),

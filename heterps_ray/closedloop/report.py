@@ -1,0 +1,163 @@
+"""The end-to-end run's report: the cost model's prediction against what the runtime achieved,
+$/hour, the projected total cost, the floor, the model's quality and the time of each phase."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from heterps_ray.config import JobConfig
+from heterps_ray.costmodel import Plan, Problem
+from heterps_ray.errors import InfeasibleError
+from heterps_ray.ps.atomic import write_bytes_atomic
+from heterps_ray.runtime.driver import RunSummary
+from heterps_ray.runtime.loop import CHUNK_STEPS, FLOOR_SHORTFALL, FLOOR_WINDOW_S
+
+REPORT_FILE = "run_report.json"
+
+
+@dataclass
+class RunReport:
+    """Predicted (cost model) against achieved (runtime) for one end-to-end run."""
+
+    job: str
+    scheduler: str
+    plan: str  # one line: stages as layers@type x replicas
+    predicted_throughput: float  # samples/s, from the fitted cost model (DESIGN.md §3, what plans optimise)
+    simulated_throughput: float  # samples/s, the pipeline simulator's steady state of the plan as run
+    achieved_throughput: float  # samples/s, measured by the runtime (after its warm-up chunk)
+    cost_rate: float  # $/hour of the plan's actors
+    projected_cost: float  # $ to train job.samples at the achieved throughput
+    predicted_cost: float  # $ to train job.samples at the predicted throughput
+    auc: float | None
+    logloss: float | None
+    seconds: dict[str, float]  # wall time of each phase
+    output_dir: str
+    throughput_min: float = 0.0  # samples/s, the job's floor
+    # achieved >= 90% of the floor (runtime/loop.py FLOOR_SHORTFALL); None: a run too short to
+    # measure it (under FLOOR_WINDOW_S of steady chunks after the warm-up one)
+    floor_met: bool | None = None
+    replans: list[dict[str, Any]] = field(default_factory=list)  # resource changes and the new plans
+    floor_attempts: list[dict[str, Any]] = field(default_factory=list)  # missed floors and the re-plans
+
+    def table(self) -> str:
+        err = (
+            self.achieved_throughput / self.predicted_throughput - 1
+            if self.predicted_throughput
+            else float("nan")
+        )
+        sim_err = (
+            self.simulated_throughput / self.achieved_throughput - 1
+            if self.achieved_throughput
+            else float("nan")
+        )
+        lines = [
+            f"run {self.job!r}: scheduler {self.scheduler}, plan {self.plan}",
+            f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s  (cost model)",
+            f"              simulated {self.simulated_throughput:>12,.0f} samples/s  ({sim_err:+.1%} of achieved)",
+            f"              achieved  {self.achieved_throughput:>12,.0f} samples/s  ({err:+.1%} of predicted)",
+            f"  cost rate   {self.cost_rate:>12.3f} $/h",
+            f"  total cost  {self.projected_cost:>12.4f} $ projected at the achieved throughput "
+            f"(predicted {self.predicted_cost:.4f} $)",
+        ]
+        met = {
+            True: "met (achieved >= 90% of it)",
+            False: "missed (achieved < 90% of it)",
+            None: "not measured (too short a run for a steady rate)",
+        }[self.floor_met]
+        if self.floor_attempts:
+            replans = sum(a["new_plan"] is not None for a in self.floor_attempts)
+            met += f"; {len(self.floor_attempts)} miss(es), {replans} re-plan(s)"
+        lines.append(f"  floor       {self.throughput_min:>12,.0f} samples/s  {met}")
+        if self.auc is not None:
+            lines.append(f"  model       AUC {self.auc:.4f}, logloss {self.logloss:.4f}")
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
+        lines.append(f"  time        {phases}")
+        return "\n".join(lines)
+
+    def save(self, out: Path) -> Path:
+        import json
+
+        return write_bytes_atomic(out / REPORT_FILE, (json.dumps(asdict(self), indent=2) + "\n").encode())
+
+
+def build_report(
+    job: JobConfig,
+    problem: Problem,
+    plan: Plan,
+    summary: RunSummary | None,
+    measured: list[float],
+    seconds: dict[str, float],
+    replans: list[dict[str, Any]],
+    attempts: list[dict[str, Any]],
+) -> RunReport:
+    """The report of a run that trained `plan` (the last plan, after any re-plan) to `summary`, or
+    (summary None) whose closed loop gave up after measuring `measured`."""
+    if summary is not None:
+        # a long run's rate: the warm-up (first calls, first data chunk) is a one-time cost
+        achieved = summary.steady_throughput or summary.throughput
+        # measured only over as long a steady window as the closed loop's check needs (else: None)
+        steady_s = sum(s for _, s in summary.extra["chunks"][1:])
+        floor_met = (
+            None
+            if summary.steady_throughput is None or steady_s < FLOOR_WINDOW_S
+            else achieved >= FLOOR_SHORTFALL * job.throughput_min
+        )
+    else:  # the closed loop gave up: what the last plan achieved before it stopped
+        achieved, floor_met = measured[-1], False
+    hours = job.samples / achieved / 3600.0 if achieved > 0 else float("inf")
+    return RunReport(
+        job=job.name,
+        scheduler=plan.scheduler,
+        plan=plan_line(plan),
+        predicted_throughput=plan.throughput,
+        simulated_throughput=_simulated(problem, plan, job),
+        achieved_throughput=achieved,
+        cost_rate=plan.cost_rate,
+        projected_cost=plan.cost_rate * hours,
+        predicted_cost=plan.cost,
+        auc=summary.auc if summary is not None else None,
+        logloss=summary.logloss if summary is not None else None,
+        seconds={k: round(v, 2) for k, v in seconds.items()},
+        output_dir=str(job.output_dir),
+        throughput_min=job.throughput_min,
+        floor_met=floor_met,
+        replans=replans,
+        floor_attempts=attempts,
+    )
+
+
+def floor_error(job: JobConfig, measured: list[float], why: str) -> InfeasibleError:
+    """The InfeasibleError (exit 3) of a floor the closed loop could not keep, naming the highest
+    throughput measured."""
+    best = max(measured)
+    return InfeasibleError(
+        f"no plan met the floor of {job.throughput_min:,.0f} samples/s on cluster {job.cluster.name!r} "
+        f"in closed loop ({why}); the highest throughput measured is {best:,.0f} samples/s "
+        f"(runs: {', '.join(f'{m:,.0f}' for m in measured)}). Lower throughput_min to at most "
+        f"{best / 0.9:,.0f}, or raise max_instances of a resource type. Details in {REPORT_FILE}.",
+        best,
+    )
+
+
+def plan_line(plan: Plan) -> str:
+    """A plan in one line: stages as first..last layer @ type x replicas, then the PS shards."""
+    stages = " | ".join(f"{s.layers[0]}..{s.layers[-1]}@{s.type}x{s.replicas}" for s in plan.stages)
+    return f"{stages} | ps x{plan.ps_shards}"
+
+
+def _simulated(problem: Problem, plan: Plan, job: JobConfig) -> float:
+    """The simulator's steady throughput of `plan` run as `job` runs it (no start-up, as the achieved)."""
+    from heterps_ray.costmodel.simulator import simulate
+
+    return simulate(
+        problem,
+        plan,
+        batches=100 * plan.stages[0].replicas,
+        mode=job.mode,
+        micro_batches=job.runtime.micro_batches,
+        max_in_flight=job.runtime.max_in_flight,
+        drain_every=CHUNK_STEPS,
+        startup_ms=0.0,
+    ).throughput

@@ -1,0 +1,232 @@
+"""`heterps run JOB.yaml`: the whole system end to end on one Ray cluster, as steps.
+
+data -> problem (profile the model on every resource type the cluster has, or a given problem file)
+-> plan (the job's scheduler) -> train (the runtime, with the floor kept in closed loop and elastic
+re-plans) -> report (predicted against achieved throughput, $/hour, projected cost, AUC / logloss).
+
+Everything a run produces lands in the job's output_dir::
+
+    problem.yaml (+ .measurements.parquet, .fit.csv)                  the fitted cost model
+    plan.json                                                          the schedule
+    run_summary.json, model/                                           the training run
+    run_report.json                                                    the comparison below
+    plan-replan-N.json, problem-replan-N.yaml                          re-plans when resources changed
+    problem-refit-N.yaml, plan-floor-N.json                            the closed loop's refits and plans
+
+Elastic: when the Ray cluster's resource types change mid-run (a node with a type leaves or joins),
+training stops at a checkpoint, the problem is restricted to the types present now (a type that joins
+and was not profiled at the start is profiled then), the job's scheduler re-plans, and training
+resumes from the checkpoint with the new plan (replan.py). Each re-plan is listed under "replans".
+
+Closed loop: after the warm-up the runtime compares the steady throughput with throughput_min
+(runtime/loop.py FLOOR_WINDOW_S); more than 10% short, training stops at a checkpoint, the model is
+refit on the measurement (costmodel/calibrate.py), the scheduler re-plans and training resumes, at
+most replan.FLOOR_ATTEMPTS times, each listed under "floor_attempts". When no plan meets the floor,
+the run stops with exit 3 naming the highest throughput measured (run_report.json is still written).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+
+from heterps_ray.closedloop.probes import profile_job
+from heterps_ray.closedloop.problems import given_problem
+from heterps_ray.closedloop.replan import Decisions, Replanner, feasible
+from heterps_ray.closedloop.report import REPORT_FILE, RunReport, build_report, floor_error, plan_line
+from heterps_ray.closedloop.state import STATE_FILE, has_state, load_state, save_state
+from heterps_ray.cluster import connect
+from heterps_ray.config import JobConfig
+from heterps_ray.costmodel import Problem, load_problem, one_replica_per_stage
+from heterps_ray.data.dataset import prepare_dataset
+from heterps_ray.errors import ConfigError, InfeasibleError
+from heterps_ray.profiling.fit import write_problem
+from heterps_ray.profiling.profiler import ProfileSettings
+from heterps_ray.runtime.checkpoint import CHECKPOINTS_DIR, MODEL_DIR
+from heterps_ray.runtime.driver import SUMMARY_FILE, RunSummary, train
+from heterps_ray.runtime.elastic import ResourcesChanged
+from heterps_ray.runtime.loop import FloorMissed
+from heterps_ray.scheduling import Scheduler, get_scheduler
+
+Resume = Literal["no", "yes", "auto"]
+
+
+def run_job(
+    job: JobConfig,
+    *,
+    address: str | None = None,
+    overwrite: bool = False,
+    resume: Resume = "no",
+    steps: int | None = None,
+    budget_s: float | None = None,
+    progress: bool = True,
+    quick_profile: bool = False,
+    problem_file: str | Path | None = None,
+) -> RunReport:
+    """Profile, fit, plan and train `job`; returns the report (also saved as run_report.json).
+
+    `problem_file`: plan on this problem (say, the problem.yaml of an earlier run's profile of the
+    same model and cluster) instead of profiling; the job's floor, batch size and samples apply.
+    `resume` "yes": continue the killed run in output_dir (run_state.json) from its newest valid
+    checkpoint (none yet: from step 0) with the problem, plan and history it had decided; "auto": do
+    that when output_dir holds a run, else start one. InfeasibleError (exit 3) when no plan meets the
+    floor, at plan time or in the closed loop."""
+    out = Path(job.output_dir)
+    resuming = resume == "yes" or (resume == "auto" and has_state(out))
+    if resuming and overwrite:
+        raise ConfigError(
+            None, "--resume", "not together with --overwrite (a resumed run deletes nothing)", resume
+        )
+    saved = load_state(out, job) if resuming else None
+    if saved is None:
+        _claim(out, overwrite)
+    elif saved[2]:  # finished: the report is there, nothing is left to do
+        print(f"{out}: the run finished already; its report is {out / REPORT_FILE}")
+        return RunReport(**json.loads((out / REPORT_FILE).read_text()))
+    seconds: dict[str, float] = dict(saved[1]) if saved else {}
+    # the same settings for the first profile and for a type that joins mid-run
+    settings = (
+        ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)
+    )
+    scheduler = get_scheduler(
+        job.scheduler, seed=job.seed, **({} if budget_s is None else {"budget_s": budget_s})
+    )
+    owns_ray = connect(job.cluster, address, all_types=False)  # elastic: types may join later
+    try:
+        with _timed(seconds, "data"):
+            prepare_dataset(job.data, seed=job.seed)
+        if saved is None:
+            decisions = _plan(job, scheduler, settings, out, problem_file, seconds)
+        else:
+            decisions = saved[0]
+            print(f"resuming {out} with {plan_line(decisions.plan)}")
+        save_state(out, job, decisions, seconds)
+        with _timed(seconds, "train"):
+            summary, gave_up = _train(
+                job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None
+            )
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    d = decisions
+    report = build_report(job, d.problem, d.plan, summary, d.measured, seconds, d.replans, d.attempts)
+    report.save(out)
+    save_state(out, job, decisions, seconds, finished=True)
+    if gave_up is None and report.floor_met is False:  # trained to the end, but below the floor
+        gave_up = floor_error(
+            job, [*d.measured, report.achieved_throughput], "the run ended before it could re-plan"
+        )
+    if gave_up is not None:
+        print(report.table())
+        raise gave_up
+    return report
+
+
+def _plan(
+    job: JobConfig,
+    scheduler: Scheduler,
+    settings: ProfileSettings,
+    out: Path,
+    problem_file: str | Path | None,
+    seconds: dict[str, float],
+) -> Decisions:
+    """The problem (profiled, or the given file) and the scheduler's plan for it (output_dir/plan.json)."""
+    with _timed(seconds, "profile"):
+        problem = _problem(job, settings, out, problem_file)
+    with _timed(seconds, "plan"):
+        plan = feasible(scheduler.schedule(problem), problem, job)
+    print(plan.table())
+    return Decisions(problem, plan, plan.save(out / "plan.json"))
+
+
+def _claim(out: Path, overwrite: bool) -> None:
+    """Refuse an output_dir holding a run (a `heterps train` run counts too) before anything is written."""
+    previous = [
+        name
+        for name in (REPORT_FILE, STATE_FILE, SUMMARY_FILE, MODEL_DIR, CHECKPOINTS_DIR)
+        if (out / name).exists()
+    ]
+    if previous and not overwrite:
+        raise ConfigError(
+            None,
+            "output_dir",
+            f"a directory without a previous run (found {previous[0]}); pass --resume to continue it or "
+            "--overwrite to replace it",
+            str(out),
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _problem(
+    job: JobConfig, settings: ProfileSettings, out: Path, problem_file: str | Path | None
+) -> Problem:
+    """The problem to plan on: the given file, or a profile of the live cluster (output_dir/problem.yaml)."""
+    if problem_file is not None:
+        problem = given_problem(Path(problem_file), job, out / "problem.yaml")
+    else:
+        fit = profile_job(job, settings)
+        path = write_problem(fit, out / "problem.yaml")["problem"]
+        problem = load_problem(path)
+        if fit.flags:
+            print(f"profile: {len(fit.flags)} poor fits (see {path.with_suffix('.fit.csv').name})")
+    return one_replica_per_stage(problem) if job.mode == "sync" else problem
+
+
+def _train(
+    job: JobConfig,
+    scheduler: Scheduler,
+    settings: ProfileSettings,
+    decisions: Decisions,
+    steps: int | None,
+    progress: bool,
+    overwrite: bool,
+    resumed: bool,
+) -> tuple[RunSummary | None, InfeasibleError | None]:
+    """Train the plan; after each stop for a missed floor or a resource change, re-plan and resume
+    from its checkpoint. `resumed`: a killed run's, from its newest checkpoint (none: step 0). Returns
+    the summary, or the closed loop's exit-3 error once it gives up."""
+    out = Path(job.output_dir)
+    replanner = Replanner(job, scheduler, settings, out, decisions)
+    resume: Path | None = None
+    stops = 0
+    while True:
+        try:
+            summary = train(
+                job,
+                decisions.plan,
+                steps=steps,
+                progress=progress,
+                overwrite=overwrite or stops > 0,
+                plan_file=str(decisions.plan_file),
+                resume=resume is not None or resumed,
+                start_if_none=resumed and stops == 0,
+                elastic=True,
+                floor=job.throughput_min or None,
+            )
+            return summary, None
+        except (FloorMissed, ResourcesChanged) as stop:
+            stops += 1
+            try:
+                resume = replanner.after(stop)
+                save_state(out, job, decisions, {})
+            except InfeasibleError as err:
+                if not decisions.measured:  # no plan at all (a resource change): nothing trained to report
+                    raise
+                return None, err
+
+
+class _timed:
+    """``with _timed(seconds, "phase"):`` adds the block's wall time to seconds["phase"]."""
+
+    def __init__(self, seconds: dict[str, float], phase: str):
+        self.seconds, self.phase = seconds, phase
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds[self.phase] = time.perf_counter() - self.t0

@@ -1,0 +1,298 @@
+"""The actor set of one run: starts a plan's PS shards, StageWorkers and DataWorkers pinned to their
+resource types, waits until they are placed, replaces dead ones with the same options, rewires the
+survivors to the replacements, and shuts everything down.
+
+The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py) and checkpoints
+(snapshots.py) act through it. Example::
+
+    actors = ActorSet(job, model, stages, num_shards, train_files)
+    placement = actors.start()
+    ...
+    actors.shutdown()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+
+from heterps_ray.config import JobConfig
+from heterps_ray.errors import ConfigError, DataError
+from heterps_ray.models import ModelSpec
+from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.runtime.pipeline import StageSpec
+from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
+from heterps_ray.runtime.workers import (
+    SPARSE_TABLE,
+    DataSettings,
+    DataWorker,
+    HostedPS,
+    StageWorker,
+    WorkerSettings,
+)
+
+READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
+
+
+class ActorSet:
+    """The live actors of a plan: ``shards`` (PS shard actors, or handles to the shards hosted in
+    DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0)."""
+
+    def __init__(
+        self, job: JobConfig, model: ModelSpec, stages: list[StageSpec], num_shards: int, files: list[Path]
+    ):
+        self.job, self.model, self.stages, self.num_shards = job, model, stages, num_shards
+        self.num_workers = stages[0].replicas
+        if len(files) < self.num_workers:
+            raise DataError(
+                f"{job.data.path}: {len(files)} train partition(s) for {self.num_workers} DataWorkers "
+                "(stage 0 replicas); write more Parquet parts or use fewer replicas"
+            )
+        self.files = files
+        self.table = TableSpec(
+            dim=model.embedding_dim,
+            seed=job.seed,
+            lr=job.optimizer.sparse_lr,
+            init_accumulator=job.optimizer.sparse_init_accumulator,
+            init_scale=model.embedding_init_scale,
+        )
+        # one DataWorker and no replicated stage: the PS shards live in its process (no PS calls)
+        self.hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in stages)
+        # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
+        # takes part in one graph at a time, so several DataWorkers keep plain calls
+        self.chained = job.runtime.compiled_graph and len(stages) > 1 and all(s.replicas == 1 for s in stages)
+        self.shards: list[Any] = []
+        self.stage_workers: list[list[Any]] = []
+        self.data_workers: list[Any] = []
+        self.generation = 0  # raised at each recovery; older calls still in flight are dropped
+
+    # -- creating actors --------------------------------------------------------------------------
+
+    def worker_settings(self, stage: StageSpec) -> WorkerSettings:
+        rtype = self.job.cluster.type(stage.type)
+        return WorkerSettings(
+            seed=self.job.seed,
+            mode=self.job.mode,
+            optimizer=self.job.optimizer,
+            device=rtype.device,
+            torch_threads=rtype.torch_threads,
+            type_name=rtype.name,
+            max_staleness=self.job.runtime.max_staleness,
+        )
+
+    def new_shard(self, index: int) -> Any:
+        cluster = self.job.cluster
+        options = cluster.type(cluster.ps_resource).actor_options()
+        return (
+            ray.remote(PSShard).options(**options).remote(index, self.num_shards, {SPARSE_TABLE: self.table})
+        )
+
+    def new_stage_worker(self, stage: StageSpec, replica: int) -> Any:
+        options = self.job.cluster.type(stage.type).actor_options()
+        return (
+            ray.remote(StageWorker)
+            .options(**options)
+            .remote(stage, replica, self.model, self.worker_settings(stage), self.dense_ps(stage))
+        )
+
+    def new_data_worker(self, index: int) -> Any:
+        stage0 = self.stages[0]
+        data = DataSettings(
+            path=str(self.job.data.path),
+            files=tuple(str(f) for f in self.files[index :: self.num_workers]),
+            batch_size=self.job.batch_size,
+            micro_batches=self.job.runtime.micro_batches,
+            epochs=self.job.runtime.epochs,
+            max_in_flight=self.job.runtime.max_in_flight,
+            batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
+            compiled_chain=self.chained,
+        )
+        options = self.job.cluster.type(stage0.type).actor_options()
+        shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
+        return (
+            ray.remote(DataWorker)
+            .options(**options)
+            .remote(
+                index,
+                stage0,
+                self.model,
+                self.worker_settings(stage0),
+                data,
+                self.stage_workers,
+                shards,
+                self.dense_ps(stage0),
+                self.generation,
+            )
+        )
+
+    def start(self) -> list[dict[str, Any]]:
+        """Start shards, stage workers and data workers; wait until all are placed."""
+        if self.hosted:
+            self.shards = [_HostedShard(self, i) for i in range(self.num_shards)]
+        else:
+            self.shards = [self.new_shard(i) for i in range(self.num_shards)]
+        if self.job.mode == "async":
+            self.register_dense_tables(range(self.num_shards))
+        self.stage_workers = [
+            [self.new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
+        ]
+        self.data_workers = [self.new_data_worker(i) for i in range(self.num_workers)]
+        return self.wait_placed([a for *_, a in self.all_actors()])
+
+    def wait_placed(self, actors: list[Any]) -> list[dict[str, Any]]:
+        """Each actor's description once placed; a ConfigError naming the demand when they do not fit."""
+        try:
+            return ray.get([a.describe.remote() for a in actors], timeout=READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                None,
+                "stages",
+                f"a plan whose actors fit the Ray cluster (demand: {self.demand()}; "
+                f"available now: {ray.available_resources()})",
+                f"actors not placed after {READY_TIMEOUT_S:.0f} s",
+            ) from None
+
+    def dense_ps(self, stage: StageSpec) -> Any:
+        """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
+        if dense_home(self.job.mode, stage.replicas) != "ps":
+            return None
+        return self.shards[stage.index % self.num_shards]
+
+    def register_dense_tables(self, shards: Any) -> None:
+        """Async mode: the initial dense weights of every stage whose PS shard is in `shards`."""
+        refs = []
+        wanted = set(shards)
+        for stage in self.stages:
+            if stage.index % self.num_shards not in wanted or self.dense_ps(stage) is None:
+                continue
+            module = self.model.build(stage.start, stage.end, self.job.seed)
+            names = canonical_names(module, self.model)
+            params = {names[k]: v.detach().numpy() for k, v in module.named_parameters()}
+            if params:
+                refs.append(
+                    self.dense_ps(stage).register_dense.remote(
+                        dense_table_name(stage.index),
+                        params,
+                        self.job.optimizer.dense,
+                        self.job.optimizer.dense_lr,
+                    )
+                )
+        ray.get(refs)
+
+    def demand(self) -> dict[str, float]:
+        """The Ray resources the plan's actors ask for, summed by resource name."""
+        demand: dict[str, float] = {}
+        counts = [(s.type, s.replicas) for s in self.stages] + [
+            (self.job.cluster.ps_resource, self.num_shards)
+        ]
+        for name, count in counts:
+            opts = self.job.cluster.type(name).actor_options()
+            for key, amount in {
+                "CPU": opts["num_cpus"],
+                "GPU": opts["num_gpus"],
+                **opts["resources"],
+            }.items():
+                if amount:
+                    demand[key] = demand.get(key, 0.0) + amount * count
+        return demand
+
+    # -- what the set holds -----------------------------------------------------------------------
+
+    def all_actors(self) -> list[tuple[str, int, int, Any]]:
+        """(kind, stage, replica, handle) of every actor; PS shards have stage -1 (hosted shards are
+        no actors: they live and die with DataWorker 0)."""
+        out = [] if self.hosted else [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
+        return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
+
+    def trained_actors(self) -> dict[str, Any]:
+        """Checkpoint file name -> actor with dense weights and optimizer state."""
+        owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            owners.update({f"stage{stage.index}-replica{r:03d}.npz": w for r, w in enumerate(replicas)})
+        return owners
+
+    def type_of(self, kind: str, stage: int) -> str:
+        """The resource type an actor of `kind` in `stage` runs on."""
+        return self.job.cluster.ps_resource if kind == "ps_shard" else self.stages[stage].type
+
+    def batches_available(self, workers: int | None = None) -> int:
+        """Batches all DataWorkers train in the job's epochs (`workers` of them; default this plan's)."""
+        n = workers or self.num_workers
+        return sum(self.worker_batches(i, n) for i in range(n))
+
+    def worker_batches(self, index: int, workers: int) -> int:
+        """Batches DataWorker `index` of `workers` trains in the job's epochs (its files: every
+        `workers`-th train partition from `index` on, as new_data_worker gives them)."""
+        import pyarrow.parquet as pq
+
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files[index::workers])
+        return rows // self.job.batch_size * self.job.runtime.epochs
+
+    # -- stats ------------------------------------------------------------------------------------
+
+    def progress(self, indices: list[int] | None = None) -> dict[int, dict[str, int]]:
+        """DataWorker index -> its position in its data and the updates it sent (all, or `indices`)."""
+        indices = list(range(self.num_workers)) if indices is None else indices
+        answers = ray.get([self.data_workers[i].progress.remote() for i in indices])
+        return dict(zip(indices, answers, strict=True))
+
+    def stage_stats(self) -> list[list[dict[str, Any]]]:
+        refs = [[w.stats.remote() for w in self.data_workers]] + [
+            [w.stats.remote() for w in r] for r in self.stage_workers
+        ]
+        return [ray.get(r) for r in refs]
+
+    def data_wait(self) -> list[float]:
+        """Seconds each DataWorker spent blocked on gradients coming back (pipeline bubbles)."""
+        return [s["wait_s"] for s in ray.get([w.stats.remote() for w in self.data_workers])]
+
+    def ps_stats(self) -> list[dict[str, Any]]:
+        return ray.get([s.stats.remote() for s in self.shards])
+
+    # -- replacing and ending ---------------------------------------------------------------------
+
+    def rewire(self) -> None:
+        """Every actor takes the current generation and handles (after replacements)."""
+        refs = []
+        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+            refs += [w.rewire.remote(self.generation, self.dense_ps(stage)) for w in replicas]
+        refs += [
+            w.rewire.remote(
+                self.generation,
+                self.stage_workers,
+                [] if self.hosted else self.shards,
+                self.dense_ps(self.stages[0]),
+            )
+            for w in self.data_workers
+        ]
+        ray.get(refs)
+
+    def shutdown(self) -> None:
+        # compiled chains first: their actors' loops end cleanly before the actors are killed
+        ray.wait(
+            [w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10
+        )
+        for *_, actor in self.all_actors():
+            ray.kill(actor)
+        self.data_workers, self.stage_workers, self.shards = [], [], []
+
+
+class _HostedShard:
+    """A PS shard hosted in DataWorker 0's process, addressed like a shard actor: ``shard.m.remote(...)``
+    calls ``DataWorker.shard_call(index, "m", ...)`` on whichever DataWorker 0 is current."""
+
+    def __init__(self, actors: ActorSet, index: int):
+        self._actors, self._index = actors, index
+
+    def __getattr__(self, method: str) -> Any:
+        actors, index = self._actors, self._index
+
+        def remote(*args: Any) -> Any:
+            return actors.data_workers[0].shard_call.remote(index, method, *args)
+
+        return SimpleNamespace(remote=remote)
