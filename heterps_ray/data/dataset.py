@@ -45,6 +45,7 @@ from heterps_ray.data.layout import (
 )
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import DataError
+from heterps_ray.paths import inside
 
 READ_ROWS = 1 << 16  # rows read and converted at a time by iter_batches
 
@@ -79,8 +80,21 @@ class Dataset:
         if split not in SPLITS:
             raise DataError(f"{self.path}: unknown split {split!r} (expected one of {list(SPLITS)})")
         folder = split_dir(self.path, split, self._legacy)
-        found = sorted(folder.glob(PART_GLOB))
-        expected = (self._meta.get("files") or {}).get(split)
+        field = f"files.{split}"
+        counts = self._meta.get("files") or {}
+        expected = counts.get(split) if isinstance(counts, dict) else counts
+        counted = isinstance(expected, int) and not isinstance(expected, bool) and expected >= 0
+        if expected is not None and not counted:
+            # The metadata counts partitions, it never names them: a name in it would point anywhere.
+            raise DataError(
+                f"{self._meta_file}: field '{field if isinstance(counts, dict) else 'files'}': expected "
+                f"the number of {split} partitions (they are {folder.name}/{PART_GLOB}), got {expected!r}"
+            )
+        # A partition (or its split folder) that is a symlink out of the dataset is refused.
+        found = [
+            inside(self.path, p.relative_to(self.path).as_posix(), source=self._meta_file, field=field)
+            for p in sorted(folder.glob(PART_GLOB))
+        ]
         if isinstance(expected, int):
             # A lost partition would otherwise train on fewer rows without a word.
             names = {p.name for p in found}

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from heterps_ray.deploy.render import IDLE_TIMEOUT_S
+
 
 def register(subparsers: Any) -> None:
     cluster = subparsers.add_parser(
@@ -13,7 +15,8 @@ def register(subparsers: Any) -> None:
         help="a cluster config as a KubeRay RayCluster manifest or a `ray up` config",
         description="Cluster configs for the clusters users run: one worker group / node type per "
         "resource type, each declaring its custom resource (and GPUs for cuda types), 0..max_instances "
-        "nodes (the PS type from ps.min_shards), prices as labels, shared storage for data and outputs.",
+        "nodes (the PS type from ps.min_shards), idle nodes released after --idle-timeout, prices as labels, "
+        "shared storage for data and outputs; KubeRay: Ray token authentication from a Secret.",
     )
     sub = cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
     cluster.set_defaults(func=lambda args: _help(cluster))
@@ -34,7 +37,14 @@ def register(subparsers: Any) -> None:
     render.add_argument("--head-instance-type", default="m5.xlarge", help="ray up: the head's EC2 type")
     render.add_argument("--region", default="us-east-1", help="ray up: AWS region")
     render.add_argument("--nfs", default=None, metavar="HOST:/EXPORT",
-                        help="ray up: NFS export (e.g. EFS) mounted at /mnt/heterps on every node")  # fmt: skip
+                        help="ray up: NFS export (e.g. EFS) mounted at /mnt/heterps on every node "
+                        "(a host name or IP, then an absolute path of letters, digits, '._-/')")  # fmt: skip
+    render.add_argument("--auth-secret", default=None, metavar="NAME",
+                        help="KubeRay: the Secret whose key auth_token holds the Ray token "
+                        "(default: <cluster>-ray-token; the manifest's header says how to create it)")  # fmt: skip
+    render.add_argument("--idle-timeout", type=int, default=IDLE_TIMEOUT_S, metavar="SECONDS",
+                        help=f"seconds an idle worker node is kept before the autoscaler releases it "
+                        f"(default {IDLE_TIMEOUT_S})")  # fmt: skip
     render.set_defaults(func=_render)
 
 
@@ -42,14 +52,24 @@ def _render(args: argparse.Namespace) -> int:
     import yaml
 
     from heterps_ray.config import load_cluster
-    from heterps_ray.deploy.render import IMAGE, kuberay_manifest, ray_up_config
+    from heterps_ray.deploy.render import (
+        IMAGE,
+        auth_secret_help,
+        default_auth_secret,
+        kuberay_manifest,
+        ray_up_config,
+    )
     from heterps_ray.errors import ConfigError
 
     cluster = load_cluster(args.cluster)
     image = args.image or IMAGE
+    notes: list[str] = []
     if args.kuberay:
-        rendered = kuberay_manifest(cluster, image=image, pvc=args.pvc)
+        secret = args.auth_secret or default_auth_secret(cluster)
+        rendered = kuberay_manifest(cluster, image=image, pvc=args.pvc, auth_secret=secret,
+                                    idle_timeout_s=args.idle_timeout)  # fmt: skip
         what = f"KubeRay RayCluster {rendered['metadata']['name']}"
+        notes = auth_secret_help(secret)
     else:
         types: dict[str, str] = {}
         for item in args.instance_type:
@@ -57,12 +77,11 @@ def _render(args: argparse.Namespace) -> int:
             if not sep or not name or not instance:
                 raise ConfigError(None, "--instance-type", "NAME=EC2_TYPE", item)
             types[name] = instance
-        rendered = ray_up_config(cluster, types, head_instance_type=args.head_instance_type,
-                                 region=args.region, image=image, nfs=args.nfs)  # fmt: skip
+        rendered = ray_up_config(cluster, types, head_instance_type=args.head_instance_type, region=args.region,
+                                 image=image, nfs=args.nfs, idle_timeout_s=args.idle_timeout)  # fmt: skip
         what = f"ray up config {rendered['cluster_name']}"
-    text = f"# {what}, rendered by `heterps cluster render` from {args.cluster}\n" + yaml.safe_dump(
-        rendered, sort_keys=False
-    )
+    header = [f"{what}, rendered by `heterps cluster render` from {args.cluster}", *notes]
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(rendered, sort_keys=False)
     if args.output is None:
         print(text, end="")
     else:

@@ -9,7 +9,15 @@ labels. The head runs the driver and no actor (``num-cpus: 0``).
 Several nodes read the same dataset and write the same output directory (DataWorkers read their
 partitions, PS shards write checkpoint snapshots), so both live on storage every node mounts at the
 same path: a PersistentVolumeClaim (ReadWriteMany) in the KubeRay manifest, an NFS export in the
-``ray up`` config. Example::
+``ray up`` config.
+
+Both scale idle nodes down after ``idle_timeout_s`` (KubeRay: ``autoscalerOptions.idleTimeoutSeconds``;
+``ray up``: ``idle_timeout_minutes``). The KubeRay manifest turns on Ray's token authentication, as
+``scripts/ray_cluster.sh`` does for the local cluster: every Ray container (head, workers, the
+autoscaler sidecar) gets ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` from the key ``auth_token`` of a
+Kubernetes Secret the user creates (:func:`auth_secret_help`). Plain env vars rather than KubeRay's
+``authOptions`` (v1.5.1+), so any KubeRay that runs this Ray version accepts the manifest. What goes
+into a shell command of the ``ray up`` config (``--nfs``, the image) is validated and quoted. Example::
 
     manifest = kuberay_manifest(load_cluster("configs/clusters/cloud_gpu.yaml"))
     config = ray_up_config(cluster, instance_types={"cpu": "c5.2xlarge", "t4": "g4dn.xlarge", ...})
@@ -17,9 +25,11 @@ same path: a PersistentVolumeClaim (ReadWriteMany) in the KubeRay manifest, an N
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
+import shlex
 from typing import Any
 
 import ray
@@ -32,6 +42,16 @@ IMAGE = f"rayproject/ray:{ray.__version__}-py311"  # + "-gpu" for cuda types; us
 MEMORY_GIB_PER_CPU = 4
 HEAD_CPUS = 2
 LABEL_PREFIX = "heterps.io"
+# An idle worker node is released after 5 min, `ray up`'s own default (KubeRay's is 60 s): a node idle
+# between two phases of a run (a restore, a re-plan) is kept; a forgotten one costs 5 min of its price.
+IDLE_TIMEOUT_S = 300
+AUTH_TOKEN_KEY = "auth_token"  # the Secret's key, as KubeRay's own token-auth samples name it
+AUTH_SECRET_SUFFIX = "-ray-token"  # default Secret: <cluster>-ray-token
+# HOST:/EXPORT of --nfs: a DNS name or IPv4 (or [IPv6]), then an absolute path of safe characters.
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NFS_HOST = rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*|\[[0-9A-Fa-f:.]+\])"
+_NFS_PATH = r"/[A-Za-z0-9._/-]*"
+_IMAGE = r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}"  # a container image reference (registry/repo:tag@digest)
 
 
 def node_resources(rtype: ResourceType) -> dict[str, int]:
@@ -56,11 +76,21 @@ def kuberay_manifest(
     image: str = IMAGE,
     pvc: str | None = None,
     memory_gib_per_cpu: int = MEMORY_GIB_PER_CPU,
+    auth_secret: str | None = None,
+    idle_timeout_s: int = IDLE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """A ``ray.io/v1`` RayCluster with one autoscaled worker group per resource type; every pod mounts
-    the claim ``pvc`` (default ``<cluster>-shared``, ReadWriteMany) at :data:`SHARED_MOUNT`."""
+    the claim ``pvc`` (default ``<cluster>-shared``, ReadWriteMany) at :data:`SHARED_MOUNT`, and every Ray
+    container authenticates with the token in the Secret ``auth_secret`` (default ``<cluster>-ray-token``)."""
     name = _dns_name(cluster.name, "cluster.name")
     claim = pvc or f"{name}-shared"
+    image = _image(image)
+    secret = _secret_name(auth_secret or default_auth_secret(cluster))
+    idle = _idle_timeout(idle_timeout_s)
+    auth_env = [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": AUTH_TOKEN_KEY}}},
+    ]
 
     def volumes() -> list[dict[str, Any]]:
         return [{"name": "shared", "persistentVolumeClaim": {"claimName": claim}}]
@@ -72,6 +102,7 @@ def kuberay_manifest(
         spec: dict[str, Any] = {
             "name": f"ray-{role}",
             "image": f"{image}-gpu" if gpu_image and image == IMAGE else image,
+            "env": copy.deepcopy(auth_env),
             "resources": {"limits": limits, "requests": dict(limits)},
             "volumeMounts": [{"name": "shared", "mountPath": SHARED_MOUNT}],
         }
@@ -113,6 +144,8 @@ def kuberay_manifest(
         "spec": {
             "rayVersion": ray.__version__,
             "enableInTreeAutoscaling": True,
+            # The autoscaler sidecar talks to the GCS too, so it carries the token as well.
+            "autoscalerOptions": {"idleTimeoutSeconds": idle, "env": copy.deepcopy(auth_env)},
             "headGroupSpec": {
                 "rayStartParams": {"num-cpus": "0"},  # the driver only: actors go to the worker groups
                 "template": {
@@ -133,10 +166,13 @@ def ray_up_config(
     region: str = "us-east-1",
     image: str = IMAGE,
     nfs: str | None = None,
+    idle_timeout_s: int = IDLE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """An AWS ``ray up`` config with one node type per resource type, on the EC2 instance types given
-    (``instance_types[name]``). ``nfs`` (``HOST:/export``) is mounted at :data:`SHARED_MOUNT` on every node
-    and into the containers."""
+    (``instance_types[name]``). ``nfs`` (``HOST:/export``, validated by :func:`nfs_export`) is mounted at
+    :data:`SHARED_MOUNT` on every node and into the containers."""
+    image = _image(image)
+    idle = _idle_timeout(idle_timeout_s)
     missing = [t.name for t in cluster.resource_types if t.name not in instance_types]
     unknown = sorted(set(instance_types) - {t.name for t in cluster.resource_types})
     if missing or unknown:
@@ -164,19 +200,18 @@ def ray_up_config(
         node_types[rtype.name] = entry
     run_options = ["--ulimit nofile=65536:65536"]
     initialization: list[str] = []
-    if nfs:
-        if ":" not in nfs:
-            raise ConfigError(None, "--nfs", "HOST:/EXPORT", nfs)
+    if nfs is not None:
+        export, mount = shlex.quote(nfs_export(nfs)), shlex.quote(SHARED_MOUNT)
         initialization = [
-            f"sudo mkdir -p {SHARED_MOUNT}",
-            f"mountpoint -q {SHARED_MOUNT} || sudo mount -t nfs4 {nfs} {SHARED_MOUNT}",
+            f"sudo mkdir -p {mount}",
+            f"mountpoint -q {mount} || sudo mount -t nfs4 {export} {mount}",
         ]
         run_options.append(f"-v {SHARED_MOUNT}:{SHARED_MOUNT}")
     return {
         "cluster_name": _dns_name(cluster.name, "cluster.name"),
         "max_workers": sum(t.max_instances for t in cluster.resource_types),
         "upscaling_speed": 1.0,
-        "idle_timeout_minutes": 5,
+        "idle_timeout_minutes": idle // 60 if idle % 60 == 0 else idle / 60,
         "provider": {"type": "aws", "region": region, "cache_stopped_nodes": False},
         "auth": {"ssh_user": "ubuntu"},
         "docker": {"image": image, "container_name": "ray_container", "pull_before_run": True,
@@ -187,6 +222,39 @@ def ray_up_config(
         "initialization_commands": initialization,
         "setup_commands": [],
     }  # fmt: skip
+
+
+def nfs_export(value: str) -> str:
+    """``value`` when it is ``HOST:/EXPORT`` (a DNS name, IPv4 or [IPv6] host; an absolute path of letters,
+    digits and ``._-/``, no ``..``); else a ConfigError of ``--nfs``. It goes into a shell command."""
+    match = re.fullmatch(rf"({_NFS_HOST}):({_NFS_PATH})", value)
+    if match is None or len(match[1]) > 253 or ".." in match[2].split("/"):
+        expected = "HOST:/EXPORT (a host name or IP, then an absolute path of letters, digits, '._-/')"
+        raise ConfigError(None, "--nfs", expected, value)
+    return value
+
+
+def default_auth_secret(cluster: ClusterConfig) -> str:
+    """The Secret the KubeRay manifest reads the Ray token from unless told otherwise."""
+    return _dns_name(cluster.name, "cluster.name") + AUTH_SECRET_SUFFIX
+
+
+def auth_secret_help(secret: str) -> list[str]:
+    """The Secret a rendered manifest expects, and how to make it and use it (comment lines)."""
+    return [
+        f"Ray token authentication: every Ray container reads RAY_AUTH_TOKEN from the Secret {secret!r},",
+        f"key {AUTH_TOKEN_KEY!r}. Create it before applying this manifest, in the same namespace:",
+        f'  kubectl create secret generic {secret} --from-literal={AUTH_TOKEN_KEY}="$(openssl rand -hex 32)"',
+        "It has this shape:",
+        "  apiVersion: v1",
+        "  kind: Secret",
+        f"  metadata: {{name: {secret}}}",
+        "  type: Opaque",
+        f"  stringData: {{{AUTH_TOKEN_KEY}: <a long random string>}}",
+        "Clients (ray job submit, the dashboard) need the same token:",
+        f'  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(kubectl get secret {secret} '
+        f"-o jsonpath='{{.data.{AUTH_TOKEN_KEY}}}' | base64 -d)\"",
+    ]
 
 
 def _labels(cluster: ClusterConfig, rtype: ResourceType) -> dict[str, str]:
@@ -204,6 +272,28 @@ def _dns_name(name: str, field: str) -> str:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", out):
         raise ConfigError(None, field, "a name of letters, digits, '-' and '_' (at most 63)", name)
     return out
+
+
+def _secret_name(name: str) -> str:
+    """A Kubernetes Secret name (RFC 1123 subdomain): lower-case letters, digits, '-' and '.'."""
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if len(name) > 253 or not re.fullmatch(rf"{label}(\.{label})*", name):
+        expected = "a Secret name of lower-case letters, digits, '-' and '.'"
+        raise ConfigError(None, "--auth-secret", expected, name)
+    return name
+
+
+def _idle_timeout(seconds: int) -> int:
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
+        raise ConfigError(None, "--idle-timeout", "whole seconds >= 0", seconds)
+    return seconds
+
+
+def _image(image: str) -> str:
+    """``image`` when it is a plain image reference: ``ray up`` pastes it into ``docker`` commands."""
+    if not re.fullmatch(_IMAGE, image):
+        raise ConfigError(None, "--image", "an image reference of letters, digits and '._/:@-'", image)
+    return image
 
 
 def _quoted_json(resources: dict[str, int]) -> str:

@@ -1,17 +1,52 @@
-"""A sparse embedding table addressed by 64-bit keys, with Adagrad, in vectorised numpy.
+"""A sparse embedding table addressed by 64-bit keys, with Adagrad, on a compact compiled row store.
 
 Rows are created lazily on first use. A new row's initial value depends only on (key, seed), so a
-table split into hash shards holds exactly the rows one big table would. Keys are mapped to rows
-by an open-addressing hash index whose probes run over all keys of a call at once (no Python loop
-over keys).
+table split into hash shards holds exactly the rows one big table would.
 
-Adagrad, as in ``torch.optim.Adagrad`` (lr decay 0, weight decay 0), per element::
+Memory. The rows live in the C extension ``heterps_ray.ps._rows`` (built by the package's setup,
+``setup.py``): fixed segments of 65,536 rows that are never copied as the table grows, each row its
+key, weights and optimizer state side by side (plus 8 B of counters when admission or eviction is
+on), and an open-addressing index of 4-byte row numbers at load <= 3/4 (5.3-10.7 B/row). Growing
+copies only the index, so the peak stays near the steady size. Numpy could not get there: its
+arrays grow by copying, and a per-call hash probe costs several passes over the keys.
+
+Optimizer, per element (``optimizer="adagrad"``, as ``torch.optim.Adagrad``, lr decay 0, weight
+decay 0)::
 
     accum += g * g
     w     -= lr * g / (sqrt(accum) + 1e-10)
 
+or per row (``optimizer="rowwise_adagrad"``, FBGEMM's exact row-wise Adagrad, one accumulator per
+row: 4 B of state instead of 4·dim)::
+
+    accum += mean(g * g)
+    w     -= lr / (sqrt(accum) + 1e-10) * g
+
 where ``g`` is the sum of the gradients pushed for that key in one call (summed in float64, so the
 result does not depend on the order of duplicates), and ``accum`` starts at ``init_accumulator``.
+
+Admission and eviction (all off by default; on any of them the table keeps a pull count and the
+step last seen per row):
+
+* ``admit_after=n``: a key gets a row of its own at the n-th pull call that contains it (a call
+  counts once however often the key repeats in it, so hash shards count alike). Until then it
+  reads the shared default row, **zeros** (the embedding adds nothing, as an absent feature), and
+  its gradients are dropped; its count is kept in a small side store (key, count, last seen:
+  16 B). Zeros rather than the key's initial row: serving then scores a key the model never
+  admitted exactly as training did without storing anything for it, and an admitted row starts
+  from its initial value as before. Evaluation pulls (``create=False``) of absent keys read zeros
+  too once admission is on.
+* ``ttl=t``: a row (or candidate) not pulled in the last ``t`` steps is gone: the next lookup
+  treats it as a new key. The step is the caller's global batch index (``pull(..., step=)``), so a
+  replay after a fault is exact; without it the table counts its own pull calls. Expiry is exact
+  at lookup; the memory of expired rows is reclaimed by sweeps every ``t/4`` steps.
+* ``max_rows=m``: a cap per table (per shard): before a call could exceed it, the rows of lowest
+  score are evicted to 1/16 below the cap, score = step last seen (``evict="lru"``) or pull count
+  (``evict="lfu"``), ties in row order. Keys waiting for admission are capped alike.
+
+Counters and the clock are part of :meth:`state` (keys ``counts``, ``last_seen``, ``step`` and
+``candidate_*``) only when a table tracks keys, so a table with all of it off has exactly the state
+it always had.
 
 Example::
 
@@ -22,9 +57,23 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+try:
+    from heterps_ray.ps._rows import Rows as _Rows
+except ImportError as exc:  # pragma: no cover - a checkout whose extension was never built
+    raise ImportError(
+        "heterps_ray.ps._rows (the compiled row store) is not built: run `pip install -e .` "
+        "(or `bash scripts/setup.sh`) in the repository; it needs a C compiler"
+    ) from exc
+
 ADAGRAD_EPS = 1e-10  # same as torch.optim.Adagrad's default eps
+OPTIMIZERS = ("adagrad", "rowwise_adagrad")
+EVICTION = ("lru", "lfu")
+_INDEX_BYTES = 4 / 0.375  # B/row of the index at its sparsest (load 3/8, just after doubling)
+_CANDIDATE_BYTES = 16  # key, count, last seen of a key waiting for admission
 
 # splitmix64 constants (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", 2014).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -40,9 +89,13 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _seed_mix(seed: int) -> int:
+    return int(splitmix64(np.array([seed]))[0])
+
+
 def initial_rows(keys: np.ndarray, dim: int, seed: int, scale: float) -> np.ndarray:
     """Initial values of the rows for `keys`: uniform(-scale, scale), a function of (key, seed) only."""
-    base = splitmix64(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ splitmix64(np.array([seed]))[0])
+    base = splitmix64(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ np.uint64(_seed_mix(seed)))
     columns = np.arange(1, dim + 1, dtype=np.uint64) * _GOLDEN
     bits = splitmix64(base[:, None] + columns[None, :])
     unit = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # [0, 1), 53 bits
@@ -59,65 +112,18 @@ def sum_rows(inverse: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-class _KeyIndex:
-    """Open-addressing hash map int64 key -> int64 row (linear probing, load factor <= 1/2).
+def row_bytes(dim: int, optimizer: str = "adagrad", tracked: bool = False) -> int:
+    """Bytes of one stored row: key, weights, optimizer state (and 8 B of counters when tracked)."""
+    return 8 + 4 * dim + 4 * (1 if optimizer == "rowwise_adagrad" else dim) + (8 if tracked else 0)
 
-    Every probe round handles all pending keys at once, so a call costs a few numpy passes.
-    """
 
-    def __init__(self, capacity: int = 1024):
-        self._slot_keys = np.zeros(capacity, dtype=np.int64)
-        self._slot_rows = np.full(capacity, -1, dtype=np.int64)  # -1: empty slot
-        self.size = 0
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        mask = np.uint64(len(self._slot_rows) - 1)
-        return (splitmix64(keys.view(np.uint64)) & mask).astype(np.int64)
-
-    def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """Row of each key, or -1 where the key is absent."""
-        rows = np.full(len(keys), -1, dtype=np.int64)
-        pending = np.arange(len(keys))
-        slots = self._home(keys)
-        mask = len(self._slot_rows) - 1
-        while len(pending):
-            found = self._slot_rows[slots]
-            hit = (found >= 0) & (self._slot_keys[slots] == keys[pending])
-            rows[pending[hit]] = found[hit]
-            go_on = (found >= 0) & ~hit
-            pending, slots = pending[go_on], (slots[go_on] + 1) & mask
-        return rows
-
-    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Add keys (distinct, all absent) with their rows; grows to keep the load <= 1/2."""
-        needed = self.size + len(keys)
-        if 2 * needed > len(self._slot_rows):
-            self._grow(needed)
-        pending = np.arange(len(keys))
-        slots = self._home(keys)
-        mask = len(self._slot_rows) - 1
-        while len(pending):
-            empty = self._slot_rows[slots] < 0
-            # Several keys may probe the same empty slot in one round: the first one takes it.
-            _, first = np.unique(slots[empty], return_index=True)
-            winners = np.flatnonzero(empty)[first]
-            self._slot_keys[slots[winners]] = keys[pending[winners]]
-            self._slot_rows[slots[winners]] = rows[pending[winners]]
-            losers = np.ones(len(pending), dtype=bool)
-            losers[winners] = False
-            pending, slots = pending[losers], (slots[losers] + 1) & mask
-        self.size = needed
-
-    def _grow(self, needed: int) -> None:
-        capacity = len(self._slot_rows)
-        while 2 * needed > capacity:
-            capacity *= 2
-        occupied = self._slot_rows >= 0
-        keys, rows = self._slot_keys[occupied], self._slot_rows[occupied]
-        self._slot_keys = np.zeros(capacity, dtype=np.int64)
-        self._slot_rows = np.full(capacity, -1, dtype=np.int64)
-        self.size = 0
-        self.insert(keys, rows)
+def max_rows_for(memory_bytes: float, dim: int, optimizer: str = "adagrad", admit_after: int = 1) -> int:
+    """The row cap (``max_rows``) that keeps one table within `memory_bytes` at its worst: rows with
+    counters, the index at its sparsest, and as many keys waiting for admission as rows."""
+    per_row = row_bytes(dim, optimizer, tracked=True) + _INDEX_BYTES
+    if admit_after > 1:
+        per_row += _CANDIDATE_BYTES + _INDEX_BYTES
+    return max(1, int(memory_bytes // per_row))
 
 
 class SparseTable:
@@ -130,98 +136,146 @@ class SparseTable:
         lr: float = 0.05,
         init_accumulator: float = 0.1,
         init_scale: float = 0.01,
+        optimizer: str = "adagrad",
+        admit_after: int = 1,
+        ttl: int = 0,
+        max_rows: int = 0,
+        evict: str = "lru",
     ):
         if dim < 1:
             raise ValueError(f"dim must be >= 1 (got {dim})")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS} (got {optimizer!r})")
+        if evict not in EVICTION:
+            raise ValueError(f"evict must be one of {EVICTION} (got {evict!r})")
+        if admit_after < 1 or ttl < 0 or max_rows < 0:
+            raise ValueError(
+                f"need admit_after >= 1, ttl >= 0, max_rows >= 0 (got {admit_after}, {ttl}, {max_rows})"
+            )
         self.dim, self.seed, self.lr = dim, seed, lr
         self.init_accumulator, self.init_scale = init_accumulator, init_scale
-        self._index = _KeyIndex()
-        self._keys = np.zeros(0, dtype=np.int64)
-        self._weights = np.zeros((0, dim), dtype=np.float32)
-        self._accum = np.zeros((0, dim), dtype=np.float32)
-        self._num_rows = 0
+        self.optimizer, self.admit_after, self.ttl, self.max_rows, self.evict = (
+            optimizer,
+            admit_after,
+            ttl,
+            max_rows,
+            evict,
+        )
+        self.tracked = admit_after > 1 or ttl > 0 or max_rows > 0
+        self._acc_width = 1 if optimizer == "rowwise_adagrad" else dim
+        self._sweep_every = max(1, ttl // 4)
+        self._rows = _Rows(
+            dim, _seed_mix(seed), float(init_scale), float(lr), float(init_accumulator),
+            optimizer == "rowwise_adagrad", self.tracked, admit_after, ttl, max_rows, evict == "lfu",
+        )  # fmt: skip
+        self._step = 0
 
     def __len__(self) -> int:
-        return self._num_rows
+        return len(self._rows)
 
-    def pull(self, keys: np.ndarray, create: bool = True, unique: bool = False) -> np.ndarray:
+    @property
+    def step(self) -> int:
+        """The clock: the step of the last creating pull."""
+        return self._step
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table holds (rows, index, free list, and the keys waiting for admission)."""
+        return int(self._rows.info()["bytes"])
+
+    def stats(self) -> dict[str, int]:
+        """rows, candidates (keys waiting for admission), bytes, row_bytes, step, and since this
+        object was made: admitted, expired, evicted."""
+        return {k: int(v) for k, v in self._rows.info().items()}
+
+    def pull(
+        self, keys: np.ndarray, create: bool = True, unique: bool = False, step: int | None = None
+    ) -> np.ndarray:
         """Rows for `keys` (any shape is flattened), float32[n, dim]. Missing rows are created, or,
-        with ``create=False`` (evaluation), returned at their initial value without being stored.
-        ``unique=True`` promises the keys are distinct (a PS client already de-duplicated them)."""
+        with ``create=False`` (evaluation), returned at their initial value (zeros with admission on)
+        without being stored. ``unique=True`` promises the keys are distinct (a PS client already
+        de-duplicated them). `step`: the global batch index (the clock of TTL; default: this
+        table's pull calls)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        if unique:
-            distinct, inverse = keys, None
-        else:
-            distinct, inverse = np.unique(keys, return_inverse=True)
-        rows = self._index.lookup(distinct)
-        missing = rows < 0
-        if missing.any() and create:
-            rows[missing] = self._create(distinct[missing])
-        if create or not missing.any():
-            values = self._weights[rows]
-        else:
-            values = np.empty((len(distinct), self.dim), dtype=np.float32)
-            values[~missing] = self._weights[rows[~missing]]
-            values[missing] = initial_rows(distinct[missing], self.dim, self.seed, self.init_scale)
-        return values if inverse is None else values[inverse]
+        out = np.empty((len(keys), self.dim), dtype=np.float32)
+        if create:
+            self._advance(self._step + 1 if step is None else step)
+        self._rows.pull(keys, out, unique, create, self._step)
+        return out
 
-    def push(self, keys: np.ndarray, grads: np.ndarray, unique: bool = False) -> None:
+    def push(self, keys: np.ndarray, grads: np.ndarray, unique: bool = False) -> int:
         """Apply one Adagrad step with `grads` (float32[n, dim]); gradients of repeated keys are summed.
-        ``unique=True`` promises the keys are distinct (their gradients already summed)."""
+        ``unique=True`` promises the keys are distinct (their gradients already summed). Keys not
+        admitted are skipped. Returns the number of rows updated."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        grads = np.asarray(grads).reshape(len(keys), self.dim)
-        if unique:
-            distinct, g = keys, np.asarray(grads, dtype=np.float32)
-        else:
-            distinct, inverse = np.unique(keys, return_inverse=True)
-            g = sum_rows(inverse, grads, len(distinct))
-        rows = self._index.lookup(distinct)
-        missing = rows < 0
-        if missing.any():  # a push before any pull (e.g. async mode): start from the initial row
-            rows[missing] = self._create(distinct[missing])
-        accum = self._accum[rows] + g * g
-        self._accum[rows] = accum
-        self._weights[rows] -= self.lr * g / (np.sqrt(accum) + np.float32(ADAGRAD_EPS))
+        grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(keys), self.dim)
+        return int(self._rows.push(keys, grads, unique))
+
+    def sweep(self) -> int:
+        """Reclaim the memory of expired rows now (lookups already treat them as absent)."""
+        return int(self._rows.expire())
+
+    def _advance(self, step: int) -> None:
+        if not 0 <= step < 2**32 - 1:
+            raise ValueError(f"step must be in [0, 2^32 - 1) (got {step})")
+        previous, self._step = self._step, step
+        self._rows.set_clock(step)
+        if self.ttl and step // self._sweep_every != previous // self._sweep_every:
+            self._rows.expire()
 
     def state(self) -> dict[str, np.ndarray]:
-        """All rows, sorted by key (so equal tables give equal states whatever the insertion order)."""
-        n = self._num_rows
-        order = np.argsort(self._keys[:n], kind="stable")
-        return {
-            "keys": self._keys[:n][order].copy(),
-            "weights": self._weights[:n][order].copy(),
-            "accumulators": self._accum[:n][order].copy(),
+        """All rows, sorted by key (so equal tables give equal states whatever the insertion order);
+        with tracking also their counters, the clock and the keys waiting for admission."""
+        n = len(self._rows)
+        keys = np.empty(n, dtype=np.int64)
+        weights = np.empty((n, self.dim), dtype=np.float32)
+        accum = np.empty((n, self._acc_width), dtype=np.float32)
+        meta = np.empty((n, 2), dtype=np.uint32) if self.tracked else None
+        self._rows.export(0, keys, weights, accum, meta)
+        order = np.argsort(keys, kind="stable")
+        out: dict[str, np.ndarray] = {
+            "keys": keys[order],
+            "weights": weights[order],
+            "accumulators": accum[order],
         }
+        del keys, weights, accum
+        if meta is not None:
+            out["counts"], out["last_seen"] = meta[order, 0], meta[order, 1]
+            out["step"] = np.array(self._step, dtype=np.int64)
+        if self.admit_after > 1:
+            m = int(self._rows.info()["candidates"])
+            ckeys, cmeta = np.empty(m, dtype=np.int64), np.empty((m, 2), dtype=np.uint32)
+            self._rows.export(1, ckeys, None, None, cmeta)
+            corder = np.argsort(ckeys, kind="stable")
+            out["candidate_keys"] = ckeys[corder]
+            out["candidate_counts"], out["candidate_last_seen"] = cmeta[corder, 0], cmeta[corder, 1]
+        return out
 
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        """Replace the contents with a :meth:`state` (keys must be distinct)."""
-        keys = np.asarray(state["keys"], dtype=np.int64)
-        weights = np.asarray(state["weights"], dtype=np.float32).reshape(len(keys), self.dim)
-        accum = np.asarray(state["accumulators"], dtype=np.float32).reshape(len(keys), self.dim)
-        if len(np.unique(keys)) != len(keys):
-            raise ValueError("state keys must be distinct")
-        self._index = _KeyIndex()
-        self._keys, self._weights, self._accum = keys.copy(), weights.copy(), accum.copy()
-        self._num_rows = len(keys)
-        self._index.insert(keys, np.arange(len(keys), dtype=np.int64))
-
-    def _create(self, keys: np.ndarray) -> np.ndarray:
-        """Append rows for distinct absent keys at their initial values; returns their row numbers."""
-        start, end = self._num_rows, self._num_rows + len(keys)
-        if end > len(self._weights):
-            self._reserve(max(end, 2 * len(self._weights), 1024))
-        self._keys[start:end] = keys
-        self._weights[start:end] = initial_rows(keys, self.dim, self.seed, self.init_scale)
-        self._accum[start:end] = self.init_accumulator
-        rows = np.arange(start, end, dtype=np.int64)
-        self._index.insert(keys, rows)
-        self._num_rows = end
-        return rows
-
-    def _reserve(self, capacity: int) -> None:
-        n = self._num_rows
-        keys = np.zeros(capacity, dtype=np.int64)
-        weights = np.zeros((capacity, self.dim), dtype=np.float32)
-        accum = np.zeros((capacity, self.dim), dtype=np.float32)
-        keys[:n], weights[:n], accum[:n] = self._keys[:n], self._weights[:n], self._accum[:n]
-        self._keys, self._weights, self._accum = keys, weights, accum
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Replace the contents with a :meth:`state` (keys must be distinct). Counters missing from
+        it (a state of an untracked table) start at one pull, seen at the state's step."""
+        keys = np.ascontiguousarray(state["keys"], dtype=np.int64)
+        weights = np.ascontiguousarray(state["weights"], dtype=np.float32).reshape(len(keys), self.dim)
+        accum = np.ascontiguousarray(state["accumulators"], dtype=np.float32)
+        if accum.size != len(keys) * self._acc_width:
+            raise ValueError(
+                f"state accumulators have {accum.size} values for {len(keys)} rows; optimizer "
+                f"{self.optimizer!r} keeps {self._acc_width} per row"
+            )
+        self._step = int(state["step"]) if "step" in state else 0
+        self._rows.set_clock(self._step)
+        meta = None
+        if self.tracked and "counts" in state:
+            meta = np.ascontiguousarray(
+                np.stack([state["counts"], state["last_seen"]], axis=1), dtype=np.uint32
+            )
+        self._rows.load(0, keys, weights, accum.reshape(len(keys), self._acc_width), meta)
+        if self.admit_after > 1:
+            ckeys = np.ascontiguousarray(state.get("candidate_keys", np.zeros(0)), dtype=np.int64)
+            cmeta = np.zeros((len(ckeys), 2), dtype=np.uint32)
+            if len(ckeys):
+                cmeta = np.ascontiguousarray(
+                    np.stack([state["candidate_counts"], state["candidate_last_seen"]], axis=1),
+                    dtype=np.uint32,
+                )
+            self._rows.load(1, ckeys, None, None, cmeta)

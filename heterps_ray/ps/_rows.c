@@ -1,0 +1,930 @@
+/* heterps_ray.ps._rows: the compact row store behind heterps_ray.ps.table.SparseTable.
+ *
+ * Rows live in fixed-size segments (SEG_ROWS rows each, allocated as the table grows and never
+ * copied), so growing the table never holds two copies of it. A row is
+ *
+ *     int64 key | [uint32 count | uint32 last_seen] | float32 w[dim] | float32 acc[acc_width]
+ *
+ * (count and last_seen only when the table tracks keys: admission, TTL or a row cap). Keys map to
+ * rows through an open-addressing index of uint32 row numbers (linear probing, load <= 3/4,
+ * backward-shift deletion, so no tombstones); the key itself is read from the row. Freed rows go on
+ * a free list and are reused first. Keys not yet admitted are counted in a second store of the same
+ * kind with no weights (key | count | last_seen).
+ *
+ * Numerics match the numpy code they replace, bit for bit (built with -ffp-contract=off: no fused
+ * multiply-add): initial rows from splitmix64 of (key, seed) as float64 then float32; gradients of
+ * repeated keys summed in float64 in the order given; Adagrad in float32 as torch.optim.Adagrad.
+ *
+ * Arrays cross as buffers (no numpy headers needed to build): the Python side allocates the outputs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define SEG_SHIFT 16
+#define SEG_ROWS ((uint64_t)1 << SEG_SHIFT)
+#define SEG_MASK (SEG_ROWS - 1)
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define ADAGRAD_EPS 1e-10f
+#define NO_ROW UINT32_MAX
+
+static inline uint64_t mix64(uint64_t x) { /* splitmix64 finaliser of x + golden */
+    uint64_t z = x + GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* Large blocks (segments, big indexes) are mapped directly and their pages faulted in ahead, a
+ * range at a time (MADV_POPULATE_WRITE), instead of one trap per 4 KiB page as rows are written:
+ * filling a table otherwise spent more time in page faults than in the table. */
+#define BIG_BLOCK ((size_t)1 << 20)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+static void *big_alloc(size_t size, int populate) { /* zeroed */
+    if (size < BIG_BLOCK) return calloc(size, 1);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    if (populate) madvise(p, size, MADV_POPULATE_WRITE); /* best effort: faults happen anyway */
+    return p;
+}
+static void big_free(void *p, size_t size) {
+    if (!p) return;
+    if (size < BIG_BLOCK) free(p);
+    else munmap(p, size);
+}
+static void populate(char *start, size_t len) { /* fault in [start, start + len) */
+    uintptr_t page = 4096, a = (uintptr_t)start & ~(page - 1), b = ((uintptr_t)start + len + page - 1) & ~(page - 1);
+    if (b > a) madvise((void *)a, b - a, MADV_POPULATE_WRITE);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Store: segmented rows + index + free list                                                     */
+
+typedef struct {
+    int dim, acc_w, track;
+    size_t row_bytes, w_off;
+    char **segs;
+    size_t nsegs, segs_cap;
+    uint64_t top;  /* row numbers < top have been handed out */
+    uint64_t live; /* rows in use */
+    uint32_t *free_rows;
+    size_t nfree, free_cap;
+    uint32_t *slots; /* row + 1; 0: empty */
+    uint8_t *tags;   /* per slot: 8 bits of the key's hash (never 0), 0: empty */
+    uint64_t cap;    /* slots (power of two) */
+    uint64_t removals; /* rows freed so far: a row number is stable while this stays the same */
+    uint64_t ready;    /* rows < ready have their pages faulted in */
+} store_t;
+
+static int store_init(store_t *s, int dim, int acc_w, int track) {
+    memset(s, 0, sizeof(*s));
+    s->dim = dim;
+    s->acc_w = acc_w;
+    s->track = track;
+    s->w_off = 8 + (track ? 8 : 0);
+    s->row_bytes = s->w_off + 4 * (size_t)(dim + acc_w);
+    s->cap = 1024;
+    s->slots = big_alloc(s->cap * sizeof(uint32_t), 0);
+    s->tags = big_alloc(s->cap, 0);
+    return s->slots && s->tags ? 0 : -1;
+}
+
+static void store_free(store_t *s) {
+    for (size_t i = 0; i < s->nsegs; i++) big_free(s->segs[i], SEG_ROWS * s->row_bytes);
+    free(s->segs);
+    free(s->free_rows);
+    big_free(s->slots, s->cap * sizeof(uint32_t));
+    big_free(s->tags, s->cap);
+    memset(s, 0, sizeof(*s));
+}
+
+static inline char *row_ptr(const store_t *s, uint32_t r) {
+    return s->segs[r >> SEG_SHIFT] + (size_t)(r & SEG_MASK) * s->row_bytes;
+}
+static inline int64_t row_key(const store_t *s, uint32_t r) {
+    int64_t k;
+    memcpy(&k, row_ptr(s, r), 8);
+    return k;
+}
+static inline uint32_t *row_meta(const store_t *s, uint32_t r) { /* [count, last_seen] */
+    return (uint32_t *)(row_ptr(s, r) + 8);
+}
+static inline float *row_w(const store_t *s, uint32_t r) { return (float *)(row_ptr(s, r) + s->w_off); }
+static inline float *row_acc(const store_t *s, uint32_t r) { return row_w(s, r) + s->dim; }
+
+static size_t store_nbytes(const store_t *s) {
+    /* allocated segments count whole, except the last one: only its used rows are touched */
+    size_t rows = s->nsegs ? (s->nsegs - 1) * SEG_ROWS + (s->top - (s->nsegs - 1) * SEG_ROWS) : 0;
+    return rows * s->row_bytes + s->cap * (sizeof(uint32_t) + 1) + s->free_cap * sizeof(uint32_t) +
+           s->segs_cap * sizeof(char *);
+}
+
+/* the tag of a hash: its top 8 bits, never 0 (the index's position uses the low bits) */
+static inline uint8_t tag_of(uint64_t h) {
+    uint8_t t = (uint8_t)(h >> 56);
+    return t ? t : 1;
+}
+
+/* slot of `key`, or (when absent) the empty slot where it would go; *found = row or NO_ROW.
+ * Only slots whose tag matches read the row's key (1 in 255 of the others do). */
+static inline uint64_t store_find(const store_t *s, int64_t key, uint32_t *found) {
+    uint64_t mask = s->cap - 1, hash = mix64((uint64_t)key), h = hash & mask;
+    uint8_t tag = tag_of(hash), t;
+    while ((t = s->tags[h])) {
+        if (t == tag && row_key(s, s->slots[h] - 1) == key) {
+            *found = s->slots[h] - 1;
+            return h;
+        }
+        h = (h + 1) & mask;
+    }
+    *found = NO_ROW;
+    return h;
+}
+
+/* row of each of keys[0..n) or NO_ROW, without changing anything. Three passes over the keys so
+ * the cache misses of many keys overlap (index slots first, then the rows they point to) instead
+ * of one key's misses after another's. */
+static void store_lookup_batch(const store_t *s, const int64_t *keys, int64_t n, uint32_t *row) {
+    enum { AHEAD = 16 };
+    uint64_t mask = s->cap - 1;
+    for (int64_t i = 0; i < n + AHEAD; i++) {
+        if (i < n) __builtin_prefetch(&s->tags[mix64((uint64_t)keys[i]) & mask]);
+        int64_t j = i - AHEAD / 2; /* its tags are in cache by now: fetch the row that matches */
+        if (j >= 0 && j < n) {
+            uint64_t hash = mix64((uint64_t)keys[j]), h = hash & mask;
+            uint8_t tag = tag_of(hash), t;
+            while ((t = s->tags[h]) && t != tag) h = (h + 1) & mask;
+            if (t) __builtin_prefetch(row_ptr(s, s->slots[h] - 1));
+        }
+        j = i - AHEAD;
+        if (j >= 0) store_find(s, keys[j], &row[j]);
+    }
+}
+
+/* a bigger index: rows are walked in row order (their keys read in sequence), not slot order */
+static int store_grow_index(store_t *s, uint64_t cap) {
+    uint32_t *slots = big_alloc(cap * sizeof(uint32_t), 1);
+    uint8_t *tags = big_alloc(cap, 1);
+    if (!slots || !tags) {
+        big_free(slots, cap * sizeof(uint32_t));
+        big_free(tags, cap);
+        return -1;
+    }
+    uint64_t mask = cap - 1;
+    for (uint64_t r = 0; r < s->top; r++) {
+        if (r + 16 < s->top) { /* the slots the row 16 on will probe */
+            uint64_t h = mix64((uint64_t)row_key(s, (uint32_t)(r + 16))) & mask;
+            __builtin_prefetch(&tags[h], 1);
+            __builtin_prefetch(&slots[h], 1);
+        }
+        /* untracked stores never free a row; a tracked free row has count 0 */
+        if (s->track && !row_meta(s, (uint32_t)r)[0]) continue;
+        uint64_t hash = mix64((uint64_t)row_key(s, (uint32_t)r)), h = hash & mask;
+        while (tags[h]) h = (h + 1) & mask;
+        tags[h] = tag_of(hash);
+        slots[h] = (uint32_t)r + 1;
+    }
+    big_free(s->slots, s->cap * sizeof(uint32_t));
+    big_free(s->tags, s->cap);
+    s->slots = slots;
+    s->tags = tags;
+    s->cap = cap;
+    return 0;
+}
+
+static int store_add_segment(store_t *s) {
+    if (s->nsegs == s->segs_cap) {
+        size_t c = s->segs_cap ? 2 * s->segs_cap : 16;
+        char **segs = realloc(s->segs, c * sizeof(char *));
+        if (!segs) return -1;
+        s->segs = segs;
+        s->segs_cap = c;
+    }
+    char *seg = big_alloc(SEG_ROWS * s->row_bytes, 0);
+    if (!seg) return -1;
+    s->segs[s->nsegs++] = seg;
+    return 0;
+}
+
+/* make room for `extra` more keys: the index (load <= 3/4) and the pages of the rows to come */
+static int store_reserve(store_t *s, uint64_t extra) {
+    uint64_t need = s->live + extra, cap = s->cap;
+    while (4 * need > 3 * cap) cap *= 2;
+    if (cap != s->cap && store_grow_index(s, cap) < 0) return -1;
+    uint64_t end = s->top + (extra > s->nfree ? extra - s->nfree : 0);
+    while (s->ready < end) {
+        uint64_t seg = s->ready >> SEG_SHIFT, stop = (seg + 1) << SEG_SHIFT;
+        if (stop > end) stop = end;
+        if (seg >= s->nsegs && store_add_segment(s) < 0) return -1;
+        populate(s->segs[seg] + (s->ready & SEG_MASK) * s->row_bytes, (stop - s->ready) * s->row_bytes);
+        s->ready = stop;
+    }
+    return 0;
+}
+
+/* a new row for `key` at the empty slot `slot` (found by store_find after store_reserve) */
+static uint32_t store_add(store_t *s, int64_t key, uint64_t slot) {
+    uint32_t r;
+    if (s->nfree) {
+        r = s->free_rows[--s->nfree];
+    } else {
+        if (s->top >= (uint64_t)NO_ROW - 1) return NO_ROW;
+        if ((s->top >> SEG_SHIFT) >= s->nsegs && store_add_segment(s) < 0) return NO_ROW;
+        r = (uint32_t)s->top++;
+    }
+    memcpy(row_ptr(s, r), &key, 8);
+    s->slots[slot] = r + 1;
+    s->tags[slot] = tag_of(mix64((uint64_t)key));
+    s->live++;
+    return r;
+}
+
+/* remove the key at `slot` (backward-shift deletion) and free its row */
+static int store_remove_slot(store_t *s, uint64_t slot) {
+    uint64_t mask = s->cap - 1, i = slot, j = slot;
+    uint32_t r = s->slots[slot] - 1;
+    for (;;) {
+        j = (j + 1) & mask;
+        uint32_t v = s->slots[j];
+        if (!v) break;
+        uint64_t k = mix64((uint64_t)row_key(s, v - 1)) & mask;
+        /* move v back to i unless its home k lies cyclically in (i, j] */
+        int stay = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stay) {
+            s->slots[i] = v;
+            s->tags[i] = s->tags[j];
+            i = j;
+        }
+    }
+    s->slots[i] = 0;
+    s->tags[i] = 0;
+    if (s->nfree == s->free_cap) {
+        size_t c = s->free_cap ? 2 * s->free_cap : 1024;
+        uint32_t *f = realloc(s->free_rows, c * sizeof(uint32_t));
+        if (!f) return -1;
+        s->free_rows = f;
+        s->free_cap = c;
+    }
+    s->free_rows[s->nfree++] = r;
+    s->removals++;
+    if (s->track) row_meta(s, r)[0] = 0; /* count 0 marks a free row */
+    s->live--;
+    return 0;
+}
+
+static int store_remove_key(store_t *s, int64_t key) {
+    uint32_t r;
+    uint64_t slot = store_find(s, key, &r);
+    return r == NO_ROW ? 0 : store_remove_slot(s, slot);
+}
+
+/* Evict (tracked stores) until at most `target` rows stay: the rows of lowest score go first,
+ * score = last_seen (lru) or count (lfu); ties at the cut in row order. Returns rows evicted. */
+static int64_t store_evict_to(store_t *s, uint64_t target, int lfu) {
+    if (!s->track || s->live <= target) return 0;
+    uint64_t drop = s->live - target;
+    uint64_t *hist = calloc(65536, sizeof(uint64_t));
+    if (!hist) return -1;
+    uint32_t hi = 0, cut;
+    uint64_t below = 0; /* rows with score < the bin found */
+    for (int pass = 0; pass < 2; pass++) {
+        memset(hist, 0, 65536 * sizeof(uint64_t));
+        for (uint64_t r = 0; r < s->top; r++) {
+            uint32_t *m = row_meta(s, (uint32_t)r);
+            if (!m[0]) continue;
+            uint32_t score = lfu ? m[0] : m[1];
+            if (pass == 0) hist[score >> 16]++;
+            else if ((score >> 16) == hi) hist[score & 0xFFFF]++;
+        }
+        uint64_t acc = 0;
+        uint32_t b = 0;
+        while (acc + hist[b] < drop - below) acc += hist[b++];
+        below += acc;
+        if (pass == 0) hi = b;
+        else cut = (hi << 16) | b;
+    }
+    free(hist);
+    uint64_t ties = drop - below; /* rows of score == cut to drop */
+    int64_t evicted = 0;
+    for (uint64_t r = 0; r < s->top; r++) {
+        uint32_t *m = row_meta(s, (uint32_t)r);
+        if (!m[0]) continue;
+        uint32_t score = lfu ? m[0] : m[1];
+        if (score < cut || (score == cut && ties && ties--)) {
+            if (store_remove_key(s, row_key(s, (uint32_t)r)) < 0) return -1;
+            evicted++;
+        }
+    }
+    return evicted;
+}
+
+/* drop tracked rows whose last_seen + ttl < now */
+static int64_t store_expire(store_t *s, uint32_t now, uint32_t ttl) {
+    if (!s->track || !ttl) return 0;
+    int64_t n = 0;
+    for (uint64_t r = 0; r < s->top; r++) {
+        uint32_t *m = row_meta(s, (uint32_t)r);
+        if (m[0] && (uint64_t)m[1] + ttl < now) {
+            if (store_remove_key(s, row_key(s, (uint32_t)r)) < 0) return -1;
+            n++;
+        }
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The table object                                                                             */
+
+typedef struct {
+    PyObject_HEAD
+    store_t rows, cand;
+    int dim, rowwise, track;
+    uint64_t seed_mix;
+    double scale;
+    float lr, init_acc;
+    uint32_t admit_after, ttl, lfu;
+    uint64_t max_rows;
+    uint32_t step;
+    int64_t admitted, expired, evicted;
+    /* the last creating pull's distinct keys and rows: a push of the same keys right after it (the
+     * usual pull, forward, backward, push) reuses the rows instead of looking the keys up again */
+    int64_t *last_keys;
+    uint32_t *last_rows;
+    int64_t last_n, last_cap;
+    uint64_t last_removals;
+    char *scratch; /* the per-call working arrays, kept between calls (no page churn per call) */
+    size_t scratch_cap;
+} Rows;
+
+#define ALIGN8(x) (((x) + 7) & ~(size_t)7)
+
+static char *scratch(Rows *t, size_t bytes) {
+    if (bytes > t->scratch_cap) {
+        free(t->scratch);
+        t->scratch = malloc(bytes);
+        t->scratch_cap = t->scratch ? bytes : 0;
+    }
+    return t->scratch;
+}
+
+static uint64_t dedup_cap(int64_t n) {
+    uint64_t cap = 16;
+    while (cap < 2 * (uint64_t)n) cap *= 2;
+    return cap;
+}
+
+static int remember(Rows *t, const int64_t *keys, const uint32_t *row, int64_t n) {
+    if (n > t->last_cap) {
+        free(t->last_keys);
+        free(t->last_rows);
+        t->last_keys = malloc((size_t)n * 8);
+        t->last_rows = malloc((size_t)n * 4);
+        t->last_cap = t->last_keys && t->last_rows ? n : 0;
+        if (!t->last_cap) {
+            t->last_n = -1;
+            return -1;
+        }
+    }
+    memcpy(t->last_keys, keys, (size_t)n * 8);
+    memcpy(t->last_rows, row, (size_t)n * 4);
+    t->last_n = n;
+    t->last_removals = t->rows.removals;
+    return 0;
+}
+
+static void forget(Rows *t) {
+    free(t->scratch);
+    t->scratch = NULL;
+    t->scratch_cap = 0;
+    free(t->last_keys);
+    free(t->last_rows);
+    t->last_keys = NULL;
+    t->last_rows = NULL;
+    t->last_n = -1;
+    t->last_cap = 0;
+}
+
+static inline int expired(const Rows *t, const store_t *s, uint32_t r) {
+    return t->ttl && (uint64_t)row_meta(s, r)[1] + t->ttl < t->step;
+}
+
+static void initial_row(const Rows *t, int64_t key, float *out) {
+    uint64_t base = mix64((uint64_t)key ^ t->seed_mix);
+    for (int c = 0; c < t->dim; c++) {
+        uint64_t bits = mix64(base + (uint64_t)(c + 1) * GOLDEN);
+        double unit = (double)(bits >> 11) * (1.0 / 9007199254740992.0);
+        out[c] = (float)((2.0 * unit - 1.0) * t->scale);
+    }
+}
+
+/* a fresh row (initial weights) for an absent key; NO_ROW when out of memory */
+static uint32_t new_row(Rows *t, int64_t key, uint32_t count) {
+    uint32_t r;
+    uint64_t slot = store_find(&t->rows, key, &r);
+    r = store_add(&t->rows, key, slot);
+    if (r == NO_ROW) return r;
+    initial_row(t, key, row_w(&t->rows, r));
+    float *acc = row_acc(&t->rows, r);
+    for (int c = 0; c < t->rows.acc_w; c++) acc[c] = t->init_acc;
+    if (t->track) {
+        uint32_t *m = row_meta(&t->rows, r);
+        m[0] = count ? count : 1;
+        m[1] = t->step;
+    }
+    return r;
+}
+
+/* Distinct keys of keys[0..n) in order of first occurrence: writes uniq[] and inv[] (n each);
+ * returns the number of distinct keys, or -1 when out of memory. */
+static int64_t dedup(const int64_t *keys, int64_t n, int64_t *uniq, int64_t *inv, int64_t *tab) {
+    uint64_t cap = dedup_cap(n);
+    memset(tab, 0xFF, cap * sizeof(int64_t)); /* -1: empty */
+    uint64_t mask = cap - 1;
+    int64_t nu = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = mix64((uint64_t)keys[i]) & mask;
+        for (;;) {
+            int64_t u = tab[h];
+            if (u < 0) {
+                tab[h] = nu;
+                uniq[nu] = keys[i];
+                inv[i] = nu++;
+                break;
+            }
+            if (uniq[u] == keys[i]) {
+                inv[i] = u;
+                break;
+            }
+            h = (h + 1) & mask;
+        }
+    }
+    return nu;
+}
+
+/* before creating up to `n` rows: evict to the cap (1/16 of it more, so sweeps are rare) */
+static int make_room(Rows *t, store_t *s, uint64_t n) {
+    if (t->max_rows && s->live + n > t->max_rows) {
+        uint64_t slack = t->max_rows / 16, target = t->max_rows > n + slack ? t->max_rows - n - slack : 0;
+        int64_t e = store_evict_to(s, target, (int)t->lfu);
+        if (e < 0) return -1;
+        if (s == &t->rows) t->evicted += e;
+    }
+    return store_reserve(s, n);
+}
+
+/* Look up (and, with `create`, count and admit) distinct keys; row[i] = row number, or NO_ROW for
+ * a key that reads the default (not admitted, or absent with create off). */
+static int resolve(Rows *t, const int64_t *keys, int64_t n, int create, uint32_t *row) {
+    if (create) {
+        if (make_room(t, &t->rows, (uint64_t)n) < 0) return -1;
+        if (t->admit_after > 1 && make_room(t, &t->cand, (uint64_t)n) < 0) return -1;
+    }
+    store_lookup_batch(&t->rows, keys, n, row);
+    uint64_t mask = t->rows.cap - 1, cmask = t->cand.cap - 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t key = keys[i];
+        uint32_t r = row[i];
+        if (create && i + 16 < n) { /* what the key 16 on will touch: its insert or its counters */
+            uint64_t hash = mix64((uint64_t)keys[i + 16]);
+            if (row[i + 16] == NO_ROW) {
+                __builtin_prefetch(&t->rows.tags[hash & mask], 1);
+                __builtin_prefetch(&t->rows.slots[hash & mask], 1);
+                if (t->admit_after > 1) __builtin_prefetch(&t->cand.tags[hash & cmask]);
+            } else if (t->track) {
+                __builtin_prefetch(row_meta(&t->rows, row[i + 16]), 1);
+            }
+        }
+        if (r != NO_ROW && t->track && expired(t, &t->rows, r)) {
+            if (!create) {
+                row[i] = NO_ROW;
+                continue;
+            }
+            if (store_remove_key(&t->rows, key) < 0) return -1;
+            t->expired++;
+            r = NO_ROW;
+        }
+        if (r != NO_ROW) {
+            if (create && t->track) {
+                uint32_t *m = row_meta(&t->rows, r);
+                if (m[0] < UINT32_MAX) m[0]++;
+                m[1] = t->step;
+            }
+            row[i] = r;
+            continue;
+        }
+        if (!create) {
+            row[i] = NO_ROW;
+            continue;
+        }
+        uint32_t count = 1;
+        if (t->admit_after > 1) {
+            uint32_t c;
+            uint64_t cs = store_find(&t->cand, key, &c);
+            if (c != NO_ROW && expired(t, &t->cand, c)) {
+                row_meta(&t->cand, c)[0] = 0 + 1; /* expired: counting starts again */
+                row_meta(&t->cand, c)[1] = t->step;
+                count = 1;
+            } else if (c != NO_ROW) {
+                uint32_t *m = row_meta(&t->cand, c);
+                count = m[0] + 1;
+                m[0] = count;
+                m[1] = t->step;
+            }
+            if (count < t->admit_after) {
+                if (c == NO_ROW) {
+                    c = store_add(&t->cand, key, cs);
+                    if (c == NO_ROW) return -1;
+                    row_meta(&t->cand, c)[0] = 1;
+                    row_meta(&t->cand, c)[1] = t->step;
+                }
+                row[i] = NO_ROW;
+                continue;
+            }
+            if (c != NO_ROW && store_remove_slot(&t->cand, cs) < 0) return -1;
+            t->admitted++;
+        }
+        r = new_row(t, key, count);
+        if (r == NO_ROW) return -1;
+        row[i] = r;
+    }
+    return 0;
+}
+
+static int get_buf(PyObject *obj, Py_buffer *b, int writable, Py_ssize_t itemsize, Py_ssize_t n,
+                   const char *what) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (b->len != itemsize * n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", what, b->len, itemsize * n);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static int Rows_init(Rows *t, PyObject *args, PyObject *kw) {
+    static char *names[] = {"dim",   "seed_mix",   "scale", "lr",  "init_accumulator", "rowwise",
+                            "track", "admit_after", "ttl",   "max_rows", "lfu", NULL};
+    int dim, rowwise, track;
+    unsigned long long seed_mix, max_rows;
+    double scale, lr, init_acc;
+    unsigned int admit_after, ttl, lfu;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKdddppIIKI", names, &dim, &seed_mix, &scale, &lr, &init_acc,
+                                     &rowwise, &track, &admit_after, &ttl, &max_rows, &lfu))
+        return -1;
+    store_free(&t->rows);
+    store_free(&t->cand);
+    forget(t);
+    t->dim = dim;
+    t->rowwise = rowwise;
+    t->track = track;
+    t->seed_mix = seed_mix;
+    t->scale = scale;
+    t->lr = (float)lr;
+    t->init_acc = (float)init_acc;
+    t->admit_after = admit_after;
+    t->ttl = ttl;
+    t->max_rows = max_rows;
+    t->lfu = lfu;
+    t->step = 0;
+    t->admitted = t->expired = t->evicted = 0;
+    if (store_init(&t->rows, dim, rowwise ? 1 : dim, track) < 0 || store_init(&t->cand, 0, 0, 1) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Rows_dealloc(Rows *t) {
+    forget(t);
+    store_free(&t->rows);
+    store_free(&t->cand);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* pull(keys int64[n], out float32[n, dim], unique, create, step) */
+static PyObject *Rows_pull(Rows *t, PyObject *args) {
+    PyObject *ko, *oo;
+    int unique, create;
+    unsigned int step;
+    if (!PyArg_ParseTuple(args, "OOppI", &ko, &oo, &unique, &create, &step)) return NULL;
+    Py_buffer kb, ob;
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8;
+    if (get_buf(oo, &ob, 1, 4 * (Py_ssize_t)t->dim, n, "out") < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    const int64_t *keys = kb.buf;
+    float *out = ob.buf;
+    int64_t *uniq = NULL, *inv = NULL, nu = n;
+    uint32_t *row = NULL;
+    int fail = 0;
+    if (create) t->step = step;
+    size_t nn = (size_t)(n ? n : 1);
+    char *mem = scratch(t, nn * 20 + 8 + dedup_cap(n) * 8);
+    if (!mem) {
+        fail = 1;
+    } else {
+        row = (uint32_t *)mem;
+        uniq = (int64_t *)(mem + ALIGN8(nn * 4));
+        inv = uniq + nn;
+        if (!unique) nu = dedup(keys, n, uniq, inv, inv + nn);
+    }
+    if (!fail && row && resolve(t, unique ? keys : uniq, nu, create, row) == 0 &&
+        (!create || remember(t, unique ? keys : uniq, row, nu) == 0)) {
+        size_t wb = 4 * (size_t)t->dim;
+        /* a key without a row: zeros where admission is on, else its initial row (create off) */
+        int zeros = t->admit_after > 1;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t u = unique ? i : inv[i];
+            float *o = out + (size_t)i * t->dim;
+            if (row[u] != NO_ROW) memcpy(o, row_w(&t->rows, row[u]), wb);
+            else if (zeros) memset(o, 0, wb);
+            else initial_row(t, unique ? keys[i] : uniq[u], o);
+        }
+    } else {
+        fail = 1;
+    }
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&ob);
+    if (fail) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static void adagrad(Rows *t, uint32_t r, const float *g) {
+    float *w = row_w(&t->rows, r), *acc = row_acc(&t->rows, r);
+    if (t->rowwise) { /* FBGEMM's exact row-wise Adagrad: one accumulator, mean of g^2 */
+        double s = 0.0;
+        for (int c = 0; c < t->dim; c++) s += (double)g[c] * (double)g[c];
+        float a = acc[0] + (float)(s / t->dim);
+        acc[0] = a;
+        float mult = t->lr / (sqrtf(a) + ADAGRAD_EPS);
+        for (int c = 0; c < t->dim; c++) w[c] -= mult * g[c];
+        return;
+    }
+    for (int c = 0; c < t->dim; c++) {
+        float a = acc[c] + g[c] * g[c];
+        acc[c] = a;
+        w[c] -= (t->lr * g[c]) / (sqrtf(a) + ADAGRAD_EPS);
+    }
+}
+
+/* push(keys int64[n], grads float32[n, dim], unique) -> keys applied */
+static PyObject *Rows_push(Rows *t, PyObject *args) {
+    PyObject *ko, *go;
+    int unique;
+    if (!PyArg_ParseTuple(args, "OOp", &ko, &go, &unique)) return NULL;
+    Py_buffer kb, gb;
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8;
+    if (get_buf(go, &gb, 0, 4 * (Py_ssize_t)t->dim, n, "grads") < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    const int64_t *keys = kb.buf;
+    const float *grads = gb.buf;
+    int64_t *uniq = NULL, *inv = NULL, nu = n, applied = 0;
+    float *summed = NULL;
+    int fail = 0;
+    int dim = t->dim;
+    size_t nn = (size_t)(n ? n : 1);
+    char *mem = scratch(t, nn * 20 + 16 + dedup_cap(n) * 8 + (unique ? 0 : nn * dim * 12));
+    uint32_t *row = NULL;
+    if (!mem) {
+        fail = 1;
+    } else {
+        row = (uint32_t *)mem;
+        uniq = (int64_t *)(mem + ALIGN8(nn * 4));
+        inv = uniq + nn;
+        double *sum = (double *)(inv + nn);
+        summed = (float *)(sum + nn * dim);
+        if (!unique) {
+            nu = dedup(keys, n, uniq, inv, (int64_t *)(mem + ALIGN8((size_t)((char *)(summed + nn * dim) - mem))));
+            memset(sum, 0, (size_t)nu * dim * sizeof(double));
+            for (int64_t i = 0; i < n; i++) {
+                double *s = sum + (size_t)inv[i] * dim;
+                const float *g = grads + (size_t)i * dim;
+                for (int c = 0; c < dim; c++) s[c] += (double)g[c];
+            }
+            for (int64_t j = 0; j < nu * dim; j++) summed[j] = (float)sum[j];
+        }
+    }
+    const int64_t *ks = unique ? keys : uniq;
+    const float *gs = unique ? grads : summed;
+    int known = !fail && nu == t->last_n && t->rows.removals == t->last_removals &&
+                memcmp(ks, t->last_keys, (size_t)nu * 8) == 0;
+    if (known) {
+        memcpy(row, t->last_rows, (size_t)nu * 4);
+    } else if (!fail) {
+        if (t->admit_after <= 1 && make_room(t, &t->rows, (uint64_t)nu) < 0) fail = 1;
+        else store_lookup_batch(&t->rows, ks, nu, row);
+    }
+    for (int64_t i = 0; !fail && i < nu; i++) {
+        uint32_t r = row[i];
+        if (!known && r != NO_ROW && t->track && expired(t, &t->rows, r)) {
+            if (store_remove_key(&t->rows, ks[i]) < 0) {
+                fail = 1;
+                break;
+            }
+            t->expired++;
+            r = NO_ROW;
+        }
+        if (r == NO_ROW) {
+            if (t->admit_after > 1) continue; /* not admitted: the default row does not learn */
+            /* a push before any pull (e.g. async mode) starts from the initial row */
+            r = new_row(t, ks[i], 1);
+            if (r == NO_ROW) {
+                fail = 1;
+                break;
+            }
+        }
+        if (i + 8 < nu && row[i + 8] != NO_ROW) { /* the row 8 keys on, while this one updates */
+            char *p = row_ptr(&t->rows, row[i + 8]);
+            for (size_t b = 0; b < t->rows.row_bytes; b += 64) __builtin_prefetch(p + b, 1);
+        }
+        adagrad(t, r, gs + (size_t)i * dim);
+        applied++;
+    }
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&gb);
+    if (fail) return PyErr_NoMemory();
+    return PyLong_FromLongLong(applied);
+}
+
+/* export(which, keys int64[n], weights float32[n, dim] | None, acc float32[n, w] | None,
+ *        meta uint32[n, 2] | None): which 0 = rows, 1 = candidates; n = live count */
+static PyObject *Rows_export(Rows *t, PyObject *args) {
+    int which;
+    PyObject *ko, *wo, *ao, *mo;
+    if (!PyArg_ParseTuple(args, "iOOOO", &which, &ko, &wo, &ao, &mo)) return NULL;
+    store_t *s = which ? &t->cand : &t->rows;
+    int64_t n = (int64_t)s->live;
+    Py_buffer kb, wb = {0}, ab = {0}, mb = {0};
+    if (get_buf(ko, &kb, 1, 8, n, "keys") < 0) return NULL;
+    int ok = 1;
+    if (wo != Py_None && get_buf(wo, &wb, 1, 4 * (Py_ssize_t)s->dim, n, "weights") < 0) ok = 0;
+    if (ok && ao != Py_None && get_buf(ao, &ab, 1, 4 * (Py_ssize_t)s->acc_w, n, "accumulators") < 0) ok = 0;
+    if (ok && mo != Py_None && get_buf(mo, &mb, 1, 8, n, "meta") < 0) ok = 0;
+    if (ok && mo != Py_None && !s->track) {
+        PyErr_SetString(PyExc_ValueError, "this table keeps no counters");
+        ok = 0;
+    }
+    if (ok) {
+        int64_t j = 0;
+        for (uint64_t i = 0; i < s->cap; i++) {
+            uint32_t v = s->slots[i];
+            if (!v) continue;
+            uint32_t r = v - 1;
+            ((int64_t *)kb.buf)[j] = row_key(s, r);
+            if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
+            if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
+            if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
+            j++;
+        }
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* load(which, keys int64[n], weights | None, acc | None, meta uint32[n, 2] | None): replace the
+ * store's contents; raises ValueError on a repeated key */
+static PyObject *Rows_load(Rows *t, PyObject *args) {
+    int which;
+    PyObject *ko, *wo, *ao, *mo;
+    if (!PyArg_ParseTuple(args, "iOOOO", &which, &ko, &wo, &ao, &mo)) return NULL;
+    store_t *s = which ? &t->cand : &t->rows;
+    Py_buffer kb, wb = {0}, ab = {0}, mb = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    t->last_n = -1;
+    int64_t n = kb.len / 8;
+    int ok = 1;
+    if (wo != Py_None && get_buf(wo, &wb, 0, 4 * (Py_ssize_t)s->dim, n, "weights") < 0) ok = 0;
+    if (ok && ao != Py_None && get_buf(ao, &ab, 0, 4 * (Py_ssize_t)s->acc_w, n, "accumulators") < 0) ok = 0;
+    if (ok && mo != Py_None && get_buf(mo, &mb, 0, 8, n, "meta") < 0) ok = 0;
+    if (ok) {
+        int dim = s->dim, acc_w = s->acc_w, track = s->track;
+        store_free(s);
+        if (store_init(s, dim, acc_w, track) < 0 || store_reserve(s, (uint64_t)n) < 0) {
+            PyErr_NoMemory();
+            ok = 0;
+        }
+    }
+    for (int64_t j = 0; ok && j < n; j++) {
+        int64_t key = ((const int64_t *)kb.buf)[j];
+        uint32_t r;
+        uint64_t slot = store_find(s, key, &r);
+        if (r != NO_ROW) {
+            PyErr_SetString(PyExc_ValueError, "state keys must be distinct");
+            ok = 0;
+            break;
+        }
+        r = store_add(s, key, slot);
+        if (r == NO_ROW) {
+            PyErr_NoMemory();
+            ok = 0;
+            break;
+        }
+        if (wb.buf) memcpy(row_w(s, r), (const float *)wb.buf + (size_t)j * s->dim, 4 * (size_t)s->dim);
+        if (ab.buf) memcpy(row_acc(s, r), (const float *)ab.buf + (size_t)j * s->acc_w, 4 * (size_t)s->acc_w);
+        if (s->track) {
+            uint32_t *m = row_meta(s, r);
+            if (mb.buf) memcpy(m, (const uint32_t *)mb.buf + 2 * (size_t)j, 8);
+            else {
+                m[0] = 1;
+                m[1] = t->step;
+            }
+            if (!m[0]) m[0] = 1; /* count 0 marks a free row */
+        }
+    }
+    if (!ok) { /* leave an empty store rather than a partial one */
+        int dim = s->dim, acc_w = s->acc_w, track = s->track;
+        store_free(s);
+        store_init(s, dim, acc_w, track);
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* expire(): drop expired rows and candidates now (lookups already ignore them) -> rows dropped */
+static PyObject *Rows_expire(Rows *t, PyObject *Py_UNUSED(ignored)) {
+    int64_t a = store_expire(&t->rows, t->step, t->ttl);
+    int64_t b = a < 0 ? -1 : store_expire(&t->cand, t->step, t->ttl);
+    if (a < 0 || b < 0) return PyErr_NoMemory();
+    t->expired += a;
+    return PyLong_FromLongLong(a);
+}
+
+static PyObject *Rows_info(Rows *t, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{s:K,s:K,s:n,s:n,s:I,s:L,s:L,s:L,s:n}", "rows", (unsigned long long)t->rows.live,
+                         "candidates", (unsigned long long)t->cand.live, "bytes",
+                         (Py_ssize_t)(store_nbytes(&t->rows) + (t->admit_after > 1 ? store_nbytes(&t->cand) : 0)),
+                         "row_bytes", (Py_ssize_t)t->rows.row_bytes, "step", t->step, "admitted",
+                         (long long)t->admitted, "expired", (long long)t->expired, "evicted",
+                         (long long)t->evicted, "index_slots", (Py_ssize_t)t->rows.cap);
+}
+
+/* set_clock(step): the step of the last creating pull (a state's, when one is loaded) */
+static PyObject *Rows_set_clock(Rows *t, PyObject *args) {
+    unsigned int step;
+    if (!PyArg_ParseTuple(args, "I", &step)) return NULL;
+    t->step = step;
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t Rows_len(Rows *t) { return (Py_ssize_t)t->rows.live; }
+
+static PyMethodDef Rows_methods[] = {
+    {"pull", (PyCFunction)Rows_pull, METH_VARARGS, "pull(keys, out, unique, create, step)"},
+    {"push", (PyCFunction)Rows_push, METH_VARARGS, "push(keys, grads, unique) -> keys applied"},
+    {"export", (PyCFunction)Rows_export, METH_VARARGS, "export(which, keys, weights, acc, meta)"},
+    {"load", (PyCFunction)Rows_load, METH_VARARGS, "load(which, keys, weights, acc, meta)"},
+    {"expire", (PyCFunction)Rows_expire, METH_NOARGS, "drop expired rows -> count"},
+    {"info", (PyCFunction)Rows_info, METH_NOARGS, "sizes and counters"},
+    {"set_clock", (PyCFunction)Rows_set_clock, METH_VARARGS, "set_clock(step)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Rows_seq = {.sq_length = (lenfunc)Rows_len};
+
+static PyTypeObject RowsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "heterps_ray.ps._rows.Rows",
+    .tp_basicsize = sizeof(Rows),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Compact embedding rows (see heterps_ray.ps.table.SparseTable)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Rows_init,
+    .tp_dealloc = (destructor)Rows_dealloc,
+    .tp_methods = Rows_methods,
+    .tp_as_sequence = &Rows_seq,
+};
+
+static struct PyModuleDef rows_module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_rows", .m_doc = "Compact embedding rows", .m_size = -1};
+
+PyMODINIT_FUNC PyInit__rows(void) {
+    if (PyType_Ready(&RowsType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&rows_module);
+    if (!m) return NULL;
+    Py_INCREF(&RowsType);
+    if (PyModule_AddObject(m, "Rows", (PyObject *)&RowsType) < 0) {
+        Py_DECREF(&RowsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "SEG_ROWS", (long)SEG_ROWS);
+    return m;
+}
