@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from heterps_ray.ps.shard import PSClient, PSShard, TableSpec, shard_of, start_shards
+from heterps_ray.ps.shard import PSClient, PSShard, TableSpec, reshard_states, shard_of, start_shards
 from heterps_ray.ps.table import SparseTable
 
 SPEC = TableSpec(dim=4, seed=7, lr=0.05, init_accumulator=0.1, init_scale=0.01)
@@ -144,3 +144,47 @@ def test_state_of_another_shard_is_refused():
     a, b = PSShard(0, 2, {"emb": SPEC}), PSShard(1, 2, {"emb": SPEC})
     with pytest.raises(ValueError, match="shard 0/2"):
         b.load_state(a.state())
+
+
+def _table_union(states, table="emb"):
+    """Every row field and every waiting key of one table over all shard states, sorted by key."""
+    prefix = f"sparse/{table}/"
+    out = {}
+    for group in ("", "candidate_"):
+        names = sorted(
+            {k[len(prefix) :] for st in states for k in st if k.startswith(prefix + group)} - {"step"}
+        )
+        names = [n for n in names if group or not n.startswith("candidate_")]
+        order = np.argsort(np.concatenate([st[prefix + group + "keys"] for st in states]))
+        for name in names:
+            out[name] = np.concatenate([st[prefix + name] for st in states])[order]
+    return out
+
+
+def test_resharding_keeps_admission_counters_waiting_keys_and_the_clock():
+    spec = TableSpec(dim=4, seed=3, admit_after=2, ttl=50)
+    rng = np.random.default_rng(6)
+    vocab = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+    batches = [(step, vocab[(rng.zipf(1.3, (16, 26)) - 1) % len(vocab)]) for step in range(1, 31)]
+    grads = rng.standard_normal((16, 26, 4)).astype(np.float32)
+    old = PSClient([PSShard(i, 2, {"emb": spec}) for i in range(2)], hosted=True)
+    for step, keys in batches[:15]:
+        old.pull("emb", keys, step=step)
+        old.push("emb", keys, grads)
+    states = old.states()
+    new = PSClient([PSShard(i, 3, {"emb": spec}) for i in range(3)], hosted=True)
+    for shard, state in zip(new.shards, reshard_states(states, 3), strict=True):
+        shard.load_state(state)
+    before, after = _table_union(states), _table_union(new.states())
+    assert set(before) >= {"keys", "counts", "last_seen", "candidate_keys", "candidate_counts"}
+    assert len(before["candidate_keys"]) > 0 and before["counts"].max() > 2
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    assert all(int(st["sparse/emb/step"]) == 15 for st in new.states())
+    for step, keys in batches[15:]:  # both layouts go on alike: the counters came along
+        np.testing.assert_array_equal(new.pull("emb", keys, step=step), old.pull("emb", keys, step=step))
+        old.push("emb", keys, grads)
+        new.push("emb", keys, grads)
+    final_old, final_new = _table_union(old.states()), _table_union(new.states())
+    for name in final_old:
+        np.testing.assert_array_equal(final_new[name], final_old[name], err_msg=name)

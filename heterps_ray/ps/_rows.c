@@ -233,6 +233,11 @@ static uint32_t store_add(store_t *s, int64_t key, uint64_t slot) {
     uint32_t r;
     if (s->nfree) {
         r = s->free_rows[--s->nfree];
+        if (!s->nfree && s->free_cap > 4096) { /* all reused: give the list's memory back */
+            free(s->free_rows);
+            s->free_rows = NULL;
+            s->free_cap = 0;
+        }
     } else {
         if (s->top >= (uint64_t)NO_ROW - 1) return NO_ROW;
         if ((s->top >> SEG_SHIFT) >= s->nsegs && store_add_segment(s) < 0) return NO_ROW;

@@ -52,13 +52,20 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """How to create one sparse table (every shard holds a partition of it)."""
+    """How to create one sparse table (every shard holds a partition of it); the fields are
+    :class:`~heterps_ray.ps.table.SparseTable`'s arguments. Admission and eviction are off by
+    default; `max_rows` caps each shard's partition."""
 
     dim: int
     seed: int = 0
     lr: float = 0.05
     init_accumulator: float = 0.1
     init_scale: float = 0.01
+    optimizer: str = "adagrad"  # or "rowwise_adagrad"
+    admit_after: int = 1  # pull calls that see a key before it gets a row (1: at once)
+    ttl: int = 0  # steps a row lives unseen (0: forever)
+    max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
+    evict: str = "lru"  # or "lfu"
 
 
 class _DenseTable:
@@ -161,11 +168,14 @@ class PSShard:
 
     # -- sparse -------------------------------------------------------------------------------
 
-    def pull(self, table: str, keys: np.ndarray, create: bool = True, unique: bool = False) -> np.ndarray:
-        """Rows for `keys` (all of this shard's partition), float32[n, dim]; `unique`: keys distinct."""
+    def pull(
+        self, table: str, keys: np.ndarray, create: bool = True, unique: bool = False, step: int | None = None
+    ) -> np.ndarray:
+        """Rows for `keys` (all of this shard's partition), float32[n, dim]; `unique`: keys distinct;
+        `step`: the global batch index (the clock of admission counts and TTL)."""
         self.faults.reached("train" if create else "evaluate")
         t0 = time.perf_counter()
-        rows = self._tables[table].pull(keys, create=create, unique=unique)
+        rows = self._tables[table].pull(keys, create=create, unique=unique, step=step)
         self._counts["pulls"] += 1
         self._counts["keys_pulled"] += len(keys)
         self._busy_s += time.perf_counter() - t0
@@ -247,8 +257,8 @@ class PSShard:
     def stats(self) -> dict[str, Any]:
         """Rows, bytes, call counts, keys/s over busy time, and busy fraction since start."""
         rows = {name: len(t) for name, t in self._tables.items()}
-        # weights + Adagrad accumulators (float32) + the key (int64) per row
-        nbytes = sum(len(t) * (2 * 4 * t.dim + 8) for t in self._tables.values())
+        # rows, index and keys waiting for admission, as the tables hold them
+        nbytes = sum(t.nbytes for t in self._tables.values())
         nbytes += sum(sum(p.nbytes * 3 for p in d.params.values()) for d in self._dense.values())
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         keys = self._counts["keys_pulled"] + self._counts["keys_pushed"]
@@ -330,7 +340,9 @@ class PSShard:
 def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list[dict[str, np.ndarray]]:
     """:meth:`PSShard.state` of every old shard -> the states of `num_shards` new shards: sparse rows
     merged and redistributed with :func:`shard_of`; dense tables (async) must not be present.
-    Applied-batch counts carry over where all old shards agree (the minimum otherwise)."""
+    Applied-batch counts carry over where all old shards agree (the minimum otherwise). A table's
+    per-row counters go with their rows, keys waiting for admission with their keys (by
+    ``candidate_keys``), and its clock (``step``) is the latest of the old shards'."""
     if any(k.startswith("dense/") for st in states for k in st):
         raise ValueError("dense tables (async mode) cannot be re-sharded; keep the PS shard count")
     tables = sorted({k.split("/")[1] for st in states for k in st if k.startswith("sparse/")})
@@ -341,11 +353,20 @@ def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list
     for table in tables:
         prefix = f"sparse/{table}/"
         fields = sorted({k[len(prefix) :] for st in states for k in st if k.startswith(prefix)})
-        merged = {f: np.concatenate([st[prefix + f] for st in states if prefix + f in st]) for f in fields}
-        owner = shard_of(merged["keys"], num_shards)
-        for i in range(num_shards):
-            mine = owner == i
-            out[i].update({prefix + f: v[mine] for f, v in merged.items()})
+        clocks = [int(st[prefix + "step"]) for st in states if prefix + "step" in st]
+        for group in ("", "candidate_"):
+            names = [f for f in fields if f.startswith(group) and (group or not f.startswith("candidate_"))]
+            names = [f for f in names if f != "step"]
+            if group + "keys" not in names:
+                continue
+            merged = {f: np.concatenate([st[prefix + f] for st in states if prefix + f in st]) for f in names}
+            owner = shard_of(merged[group + "keys"], num_shards)
+            for i in range(num_shards):
+                mine = owner == i
+                out[i].update({prefix + f: v[mine] for f, v in merged.items()})
+        if clocks:
+            for st in out:
+                st[prefix + "step"] = np.array(max(clocks), dtype=np.int64)
     workers = sorted({k for st in states for k in st if k.startswith("applied/")})
     for name in workers:
         parts = [st.get(name, np.zeros(0, dtype=np.int64)) for st in states]
@@ -422,12 +443,18 @@ class PSClient:
         return getattr(self.shards[shard], method).remote(*args)
 
     def pull(
-        self, table: str, keys: np.ndarray, create: bool = True, split: KeySplit | None = None
+        self,
+        table: str,
+        keys: np.ndarray,
+        create: bool = True,
+        split: KeySplit | None = None,
+        step: int | None = None,
     ) -> np.ndarray:
-        """Rows for `keys` of any shape: float32[*keys.shape, dim] (`split`: its precomputed split)."""
+        """Rows for `keys` of any shape: float32[*keys.shape, dim] (`split`: its precomputed split;
+        `step`: the global batch index, for tables with admission or TTL)."""
         split = split or self.split(keys)
         calls = {
-            s: self._call(s, "pull", table, split.unique[pos], create, True)
+            s: self._call(s, "pull", table, split.unique[pos], create, True, step)
             for s, pos in enumerate(split.positions)
             if len(pos)
         }
