@@ -152,7 +152,9 @@ class ModelConfig(BaseModel):
 class DataConfig(BaseModel):
     model_config = _STRICT
 
-    path: Path = Field(description="dataset directory (_meta.json, split=train/ and split=eval/ Parquet partitions)")
+    path: Path = Field(
+        description="dataset directory (_meta.json, split=train/ and split=eval/ Parquet partitions)"
+    )
     synth_rows: int | None = Field(
         None, ge=1, description="if set and `path` holds no dataset, `heterps run` generates one"
     )
@@ -168,6 +170,36 @@ class OptimizerConfig(BaseModel):
     sparse_init_accumulator: float = Field(1e-6, ge=0)
     dense: Literal["adam", "sgd"] = "adam"
     dense_lr: float = Field(1e-3, gt=0)
+
+
+class TableConfig(BaseModel):
+    """Admission and eviction of the sparse table's rows (heterps_ray.ps.table.SparseTable); all
+    off by default, so every key gets a row at first sight and keeps it."""
+
+    model_config = _STRICT
+
+    admit_after: int = Field(
+        1, ge=1, description="batches that must show a key before it gets a row (until then it reads zeros)"
+    )
+    ttl_batches: int = Field(
+        0, ge=0, description="a row not seen for this many batches is dropped (0: never)"
+    )
+    max_shard_mb: float = Field(
+        0, ge=0, description="memory cap of each PS shard's rows; the least recently seen go first (0: none)"
+    )
+    evict: Literal["lru", "lfu"] = Field("lru", description="at the cap: least recently or least often seen")
+
+    @model_validator(mode="after")
+    def _check_wired(self) -> TableConfig:
+        # The runtime builds its TableSpec by hand (runtime/actors.py) and does not yet pass the
+        # global batch index to PS pulls; until it uses heterps_ray.ps.shard.sparse_spec and
+        # passes `step`, a setting here would be ignored silently, so it is refused instead.
+        if self != TableConfig.model_construct():
+            raise ValueError(
+                "table admission/eviction settings are not wired into the runtime yet "
+                "(heterps_ray.ps.shard.sparse_spec; see issue 22)"
+            )
+        return self
 
 
 class RuntimeConfig(BaseModel):
@@ -242,6 +274,7 @@ class JobConfig(BaseModel):
     output_dir: Path
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
+    table: TableConfig = TableConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     @field_validator("runtime")

@@ -3,13 +3,25 @@ table, dense tables with torch's Adam, and snapshots that round-trip without pic
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from heterps_ray.ps.shard import PSClient, PSShard, TableSpec, reshard_states, shard_of, start_shards
-from heterps_ray.ps.table import SparseTable
+from heterps_ray.config import TableConfig, load_job
+from heterps_ray.ps.shard import (
+    PSClient,
+    PSShard,
+    TableSpec,
+    reshard_states,
+    shard_of,
+    sparse_spec,
+    start_shards,
+)
+from heterps_ray.ps.table import SparseTable, max_rows_for
 
+REPO = Path(__file__).resolve().parents[1]
 SPEC = TableSpec(dim=4, seed=7, lr=0.05, init_accumulator=0.1, init_scale=0.01)
 SHARD_OPTIONS = {"num_cpus": 0.25, "resources": {"cpu_small": 1.0}}
 
@@ -188,3 +200,19 @@ def test_resharding_keeps_admission_counters_waiting_keys_and_the_clock():
     final_old, final_new = _table_union(old.states()), _table_union(new.states())
     for name in final_old:
         np.testing.assert_array_equal(final_new[name], final_old[name], err_msg=name)
+
+
+def test_job_table_settings_become_the_table_spec_and_are_off_by_default():
+    job = load_job(REPO / "configs" / "jobs" / "quickstart.yaml")
+    assert job.table == TableConfig()
+    plain = sparse_spec(job, dim=9, init_scale=0.01)
+    assert (plain.admit_after, plain.ttl, plain.max_rows) == (1, 0, 0)
+    assert plain.lr == job.optimizer.sparse_lr and plain.seed == job.seed
+    settings = TableConfig.model_construct(admit_after=3, ttl_batches=500, max_shard_mb=64.0, evict="lfu")
+    spec = sparse_spec(job.model_copy(update={"table": settings}), dim=9, init_scale=0.01)
+    assert (spec.admit_after, spec.ttl, spec.evict) == (3, 500, "lfu")
+    # 64 MiB over rows of 88 B (key, weights, accumulators, counters), the index and waiting keys
+    assert spec.max_rows == max_rows_for(64 * 2**20, 9, admit_after=3)
+    assert 64 * 2**20 / (88 + 11 + 16 + 11) < spec.max_rows < 64 * 2**20 / 88
+    with pytest.raises(ValueError, match="not wired"):  # until the runtime passes them on
+        TableConfig(admit_after=2)

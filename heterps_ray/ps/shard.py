@@ -28,7 +28,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -36,7 +36,10 @@ import ray
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import npz_bytes, read_npz, write_bytes_atomic
-from heterps_ray.ps.table import SparseTable, splitmix64, sum_rows
+from heterps_ray.ps.table import SparseTable, max_rows_for, splitmix64, sum_rows
+
+if TYPE_CHECKING:
+    from heterps_ray.config import JobConfig
 
 _SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
 # torch.optim.Adam defaults, so a dense table on the PS steps exactly like the reference's Adam.
@@ -66,6 +69,26 @@ class TableSpec:
     ttl: int = 0  # steps a row lives unseen (0: forever)
     max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
     evict: str = "lru"  # or "lfu"
+
+
+def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
+    """The TableSpec of a job's sparse table: the job's Adagrad settings and its ``table:`` section
+    (admission, TTL in batches, each shard's memory cap as a row cap, eviction order)."""
+    settings = job.table
+    max_rows = 0
+    if settings.max_shard_mb:
+        max_rows = max_rows_for(settings.max_shard_mb * 2**20, dim, admit_after=settings.admit_after)
+    return TableSpec(
+        dim=dim,
+        seed=job.seed,
+        lr=job.optimizer.sparse_lr,
+        init_accumulator=job.optimizer.sparse_init_accumulator,
+        init_scale=init_scale,
+        admit_after=settings.admit_after,
+        ttl=settings.ttl_batches,
+        max_rows=max_rows,
+        evict=settings.evict,
+    )
 
 
 class _DenseTable:
