@@ -101,3 +101,79 @@ def test_achievable_auc_matches_the_pairwise_definition():
     pos, neg = scores[labels == 1][:, None], scores[labels == 0][None, :]
     pairwise = ((pos > neg).sum() + 0.5 * (pos == neg).sum()) / (pos.size * neg.size)
     assert _auc(scores, labels) == pytest.approx(pairwise, abs=1e-12)
+
+
+def _distinct_keys_per_slot(dataset: Dataset) -> list[int]:
+    keys = np.concatenate([dataset.load(split)["keys"] for split in ("train", "eval")])
+    return [len(np.unique(keys[:, s])) for s in range(keys.shape[1])]
+
+
+def test_meta_records_each_slots_distinct_values_in_synth_and_convert(small, tmp_path):
+    from heterps_ray.data.convert import convert
+    from heterps_ray.data.criteo import SPARSE_COLUMNS, write_text
+
+    exact = _distinct_keys_per_slot(small)  # the keys the sparse table will see, missing included
+    assert small.meta["distinct_values"] == dict(zip(SPARSE_COLUMNS, exact, strict=True))
+    assert small.meta["distinct_values_total"] == sum(exact) > 26 * 20
+    text = tmp_path / "small.tsv"
+    write_text(pq.read_table(small.files("train")[0]), text)
+    meta = convert([text], tmp_path / "converted")
+    assert meta["distinct_values"] == dict(
+        zip(SPARSE_COLUMNS, _distinct_keys_per_slot(Dataset(tmp_path / "converted")), strict=True)
+    )
+
+
+def test_distinct_counter_is_exact_when_small_and_within_2_percent_when_large():
+    from heterps_ray.data.writer import DistinctCounter
+
+    rng = np.random.default_rng(0)
+    for n in (1_000, DistinctCounter.EXACT_MAX, 3 * DistinctCounter.EXACT_MAX, 2_000_000):
+        counter = DistinctCounter()
+        keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+        for chunk in np.array_split(np.concatenate([keys, keys[: n // 2]]), 7):  # repeats
+            counter.add(chunk)
+        if n <= DistinctCounter.EXACT_MAX:
+            assert counter.count() == n
+        else:
+            assert abs(counter.count() / n - 1) < 0.02, (n, counter.count())
+
+
+def test_criteo_kaggle_shape_has_criteos_distinct_values_at_full_size_and_heavy_tails(tmp_path):
+    from heterps_ray.data.synth import (
+        CRITEO_KAGGLE_DISTINCT,
+        CRITEO_KAGGLE_ROWS,
+        SHAPES,
+        expected_distinct,
+        power_law_ranks,
+    )
+
+    assert sum(CRITEO_KAGGLE_DISTINCT) == 33_762_577 and CRITEO_KAGGLE_ROWS == 45_840_617
+    spec = SynthSpec(**SHAPES["criteo-kaggle"])
+    meta = synthesize(tmp_path / "kaggle", 30_000, seed=1, spec=spec, rows_per_part=15_000)
+    truth = meta["truth"]
+    # solved vocabularies: 45.8M rows of this truth are expected to show Criteo's counts
+    for got, want in zip(truth["expected_distinct_at_reference_rows"], CRITEO_KAGGLE_DISTINCT, strict=True):
+        assert abs(got - want) <= max(1, 1e-3 * want)
+    assert all(v >= d for v, d in zip(truth["vocab_sizes"], CRITEO_KAGGLE_DISTINCT, strict=True))
+    # the sampler draws what the solver counts on (the biggest slot, 200k draws)
+    big = int(np.argmax(truth["vocab_sizes"]))
+    vocab, a = truth["vocab_sizes"][big], truth["zipf_exponents"][big]
+    drawn = len(np.unique(power_law_ranks(np.random.default_rng(2).random(200_000), vocab, a)))
+    assert abs(drawn / expected_distinct(vocab, a, 200_000) - 1) < 0.01
+    # 30k rows: the big slots are mostly one-off values (heavy tails), the small ones are all seen
+    dataset = Dataset(tmp_path / "kaggle")
+    distinct = _distinct_keys_per_slot(dataset)
+    assert distinct[2] > 0.5 * 30_000 * (1 - truth["slot_missing"][2])  # C3: 10.1M values in Criteo
+    assert distinct[8] <= 3 + 1 and distinct[19] <= 4 + 1  # C9 and C20: 3 and 4 values (+ missing)
+    assert abs(meta["achievable_auc"] - meta["expected_auc"]) < 0.05 and 0.6 < meta["achievable_auc"] < 0.95
+    values = pq.read_table(dataset.files("train")[0]).column("C3").drop_null().to_pylist()[:50]
+    assert all(len(v) == 8 and int(v, 16) >= 0 for v in values)
+
+
+def test_cli_synth_criteo_kaggle_shape(tmp_path, capsys):
+    out = tmp_path / "cli-kaggle"
+    assert main(["data", "synth", "--shape", "criteo-kaggle", "--rows", "3000", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    meta = Dataset(out).meta
+    assert meta["truth"]["spec"]["distinct_values"][2] == 10_131_227
+    assert f"distinct keys: {meta['distinct_values_total']:,}" in printed

@@ -20,6 +20,17 @@ The hidden model (all of it drawn from ``seed``):
 
 ``achievable_auc`` in _meta.json is the AUC of the true probabilities against the drawn labels
 of the eval split: no model can expect more on it.
+
+Shapes (``heterps data synth --shape``): ``default`` is the above. ``criteo-kaggle`` gives slot
+``s`` the number of distinct values Criteo Kaggle has over its 45,840,617 rows
+(:data:`CRITEO_KAGGLE_DISTINCT`, 33.8M in all): its ranks follow the continuous power law of
+density ``x ** -a_s`` on ``[1, V_s + 1)`` (rank ``floor(x) - 1``, ``a_s`` in [0.8, 0.95]: tails
+heavy enough that, as in Criteo, most values are rare), and ``V_s`` is solved so that the expected
+number of distinct values in 45.8M rows equals Criteo's count. A smaller draw sees fewer values, as
+a part of Criteo would. Values and their effects are computed from the rank (a hash), not stored,
+so a 30M-value vocabulary costs no memory: value = 8 hex digits of ``(rank * m_s + c_s) mod 2^32``
+(``m_s`` odd: distinct ranks give distinct values), effect = ``sigma_s`` times a normal drawn from
+``splitmix64(rank XOR salt_s)``, shrunk as above.
 """
 
 from __future__ import annotations
@@ -31,11 +42,22 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from heterps_ray.data import DEFAULT_EVAL_FRACTION, DEFAULT_ROWS_PER_PART
-from heterps_ray.data.criteo import NUM_DENSE, NUM_SLOTS, RAW_SCHEMA
+from heterps_ray.data.criteo import NUM_DENSE, NUM_SLOTS, RAW_SCHEMA, splitmix64
 from heterps_ray.data.writer import DatasetWriter, eval_every
 from heterps_ray.errors import ConfigError
+
+# Criteo Kaggle (Display Advertising Challenge, 2014): distinct values of each categorical slot
+# C1..C26 over its 45,840,617 training rows, as published with DLRM's Kaggle preprocessing
+# (facebookresearch/dlrm, the per-slot counts of the processed day) and repeated by TorchRec and
+# many papers' embedding-table sizes; 33,762,577 in all.
+CRITEO_KAGGLE_ROWS = 45_840_617
+CRITEO_KAGGLE_DISTINCT = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
 
 _CALIBRATION_ROWS = 50_000
 _CHUNK_ROWS = 100_000  # rows drawn at once; chunk c uses its own random stream (seed, c)
@@ -59,6 +81,10 @@ class SynthSpec:
     """mean click probability"""
     tail_rank: float = 100.0
     """value effects shrink as 1/sqrt(1 + rank/tail_rank): rare values matter less (0: no shrink)"""
+    distinct_values: tuple[int, ...] | None = None
+    """per slot: distinct values expected in `reference_rows` rows (None: vocab_min..vocab_max)"""
+    reference_rows: int = CRITEO_KAGGLE_ROWS
+    """the row count `distinct_values` are counted over"""
 
     def check(self) -> None:
         if not 2 <= self.vocab_min <= self.vocab_max:
@@ -71,6 +97,17 @@ class SynthSpec:
             raise ConfigError(None, "tail_rank", "a number >= 0", self.tail_rank)
         if not 0.01 <= self.base_ctr <= 0.99:
             raise ConfigError(None, "base_ctr", "a number in [0.01, 0.99]", self.base_ctr)
+        if self.distinct_values is not None and (
+            len(self.distinct_values) != NUM_SLOTS or min(self.distinct_values) < 1
+        ):
+            raise ConfigError(None, "distinct_values", f"{NUM_SLOTS} positive counts", self.distinct_values)
+
+
+# Shapes of `heterps data synth --shape`: SynthSpec fields (target_auc and base_ctr come from flags).
+SHAPES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "criteo-kaggle": {"distinct_values": CRITEO_KAGGLE_DISTINCT, "zipf_min": 0.8, "zipf_max": 0.95},
+}
 
 
 class HiddenModel:
@@ -80,9 +117,11 @@ class HiddenModel:
         spec.check()
         self.seed, self.spec = seed, spec
         rng = np.random.default_rng([seed, 0])
-        self.vocab_sizes = np.round(
-            np.exp(rng.uniform(np.log(spec.vocab_min), np.log(spec.vocab_max), NUM_SLOTS))
-        ).astype(np.int64)
+        self.computed = spec.distinct_values is not None  # values and effects from the rank
+        if not self.computed:
+            self.vocab_sizes = np.round(
+                np.exp(rng.uniform(np.log(spec.vocab_min), np.log(spec.vocab_max), NUM_SLOTS))
+            ).astype(np.int64)
         self.zipf = rng.uniform(spec.zipf_min, spec.zipf_max, NUM_SLOTS)
         self.slot_missing = np.zeros(NUM_SLOTS)
         self.slot_missing[rng.choice(NUM_SLOTS, 6, replace=False)] = rng.uniform(0.2, 0.45, 6)
@@ -91,7 +130,22 @@ class HiddenModel:
         self._cdf = []
         self._effects = []  # per slot: effects of ranks 0..V-1, then of the missing value
         self._values = []  # per slot: the distinct 8-hex strings
-        for s in range(NUM_SLOTS):
+        if self.computed:
+            assert spec.distinct_values is not None
+            self.vocab_sizes = np.array(
+                [
+                    vocab_for_distinct(target, a, spec.reference_rows * (1.0 - missing))
+                    for target, a, missing in zip(
+                        spec.distinct_values, self.zipf, self.slot_missing, strict=True
+                    )
+                ],
+                dtype=np.int64,
+            )
+            self._salt = rng.integers(0, 2**63, NUM_SLOTS, dtype=np.int64).view(np.uint64)
+            self._multiplier = rng.integers(0, 2**31, NUM_SLOTS, dtype=np.int64) * 2 + 1  # odd
+            self._offset = rng.integers(0, 2**32, NUM_SLOTS, dtype=np.int64)
+            self._missing_effect = rng.normal(0.0, 1.0, NUM_SLOTS) * self.slot_sigma
+        for s in range(NUM_SLOTS if not self.computed else 0):
             weights = (np.arange(self.vocab_sizes[s]) + 1.0) ** -self.zipf[s]
             self._cdf.append(np.cumsum(weights) / weights.sum())
             effects = rng.normal(0.0, self.slot_sigma[s], self.vocab_sizes[s] + 1)
@@ -115,7 +169,10 @@ class HiddenModel:
         signal, dense, ranks = self._features(rng, n)
         logit = self.bias + self.scale * signal
         label = (rng.random(n) < _sigmoid(logit)).astype(np.int8)
-        sparse = [self._values[s].take(rank) for s, rank in enumerate(ranks)]
+        if self.computed:
+            sparse = [self._value_strings(s, rank) for s, rank in enumerate(ranks)]
+        else:
+            sparse = [self._values[s].take(rank) for s, rank in enumerate(ranks)]
         table = pa.Table.from_arrays([pa.array(label), *dense, *sparse], schema=RAW_SCHEMA)
         return table, logit
 
@@ -133,11 +190,42 @@ class HiddenModel:
             dense.append(pa.array(x, mask=missing))
         ranks = []
         for s in range(NUM_SLOTS):
-            rank = np.minimum(np.searchsorted(self._cdf[s], rng.random(n)), self.vocab_sizes[s] - 1)
-            missing = rng.random(n) < self.slot_missing[s]
-            signal += self._effects[s][np.where(missing, self.vocab_sizes[s], rank)]
+            if self.computed:
+                rank = power_law_ranks(rng.random(n), int(self.vocab_sizes[s]), float(self.zipf[s]))
+                missing = rng.random(n) < self.slot_missing[s]
+                signal += np.where(missing, self._missing_effect[s], self._computed_effects(s, rank))
+            else:
+                rank = np.minimum(np.searchsorted(self._cdf[s], rng.random(n)), self.vocab_sizes[s] - 1)
+                missing = rng.random(n) < self.slot_missing[s]
+                signal += self._effects[s][np.where(missing, self.vocab_sizes[s], rank)]
             ranks.append(pa.array(rank, mask=missing))
         return signal, dense, ranks
+
+    def _computed_effects(self, s: int, rank: np.ndarray) -> np.ndarray:
+        """Effects of ranks of slot `s` from a hash of the rank (Box-Muller on two hashed uniforms)."""
+        h1 = splitmix64(rank.astype(np.uint64) ^ self._salt[s])
+        h2 = splitmix64(h1)
+        u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        u2 = (h2 >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        effect = self.slot_sigma[s] * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+        if self.spec.tail_rank > 0:
+            effect /= np.sqrt(1.0 + rank / self.spec.tail_rank)
+        return effect
+
+    def _value_strings(self, s: int, rank: pa.Array) -> pa.Array:
+        """The 8-hex value of each rank of slot `s` (null where the rank is null)."""
+        r = pc.fill_null(rank, 0).to_numpy().astype(np.uint64)
+        v = (r * np.uint64(self._multiplier[s]) + np.uint64(self._offset[s])) & np.uint64(0xFFFFFFFF)
+        digits = (v[:, None] >> np.arange(28, -1, -4, dtype=np.uint64)[None, :]) & np.uint64(15)
+        data = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)[digits.astype(np.intp)]
+        offsets = np.arange(0, 8 * len(r) + 1, 8, dtype=np.int32)
+        validity = rank.buffers()[0] if rank.null_count else None
+        return pa.Array.from_buffers(
+            pa.string(),
+            len(r),
+            [validity, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(data))],
+            null_count=rank.null_count,
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -146,6 +234,16 @@ class HiddenModel:
             "scale": self.scale,
             "bias": self.bias,
             "vocab_sizes": self.vocab_sizes.tolist(),
+            **(
+                {
+                    "expected_distinct_at_reference_rows": [
+                        round(expected_distinct(int(v), float(a), self.spec.reference_rows * (1.0 - m)))
+                        for v, a, m in zip(self.vocab_sizes, self.zipf, self.slot_missing, strict=True)
+                    ]
+                }
+                if self.computed
+                else {}
+            ),
             "zipf_exponents": np.round(self.zipf, 4).tolist(),
             "slot_effect_sigma": np.round(self.slot_sigma, 4).tolist(),
             "slot_missing": np.round(self.slot_missing, 4).tolist(),
@@ -195,6 +293,48 @@ def synthesize(
                 "seconds": round(time.perf_counter() - start, 3),
             }
         )
+
+
+def power_law_ranks(u: np.ndarray, vocab: int, a: float) -> np.ndarray:
+    """Ranks in [0, vocab) for uniforms `u`: ``floor(x) - 1`` with x of density ``x ** -a`` on
+    [1, vocab + 1) (inverse CDF)."""
+    b = 1.0 - a
+    if abs(b) < 1e-9:
+        x = (vocab + 1.0) ** u
+    else:
+        x = (1.0 + u * ((vocab + 1.0) ** b - 1.0)) ** (1.0 / b)
+    return np.minimum(np.floor(x).astype(np.int64) - 1, vocab - 1)
+
+
+def expected_distinct(vocab: int, a: float, rows: float) -> float:
+    """Expected distinct ranks among `rows` draws of :func:`power_law_ranks`: the sum over ranks of
+    ``1 - (1 - p_r) ** rows``, exact for the first 65,536 ranks, a log-grid integral beyond."""
+    b = 1.0 - a
+
+    def cdf(x: np.ndarray | float) -> Any:  # unnormalised
+        return np.log(x) if abs(b) < 1e-9 else (np.power(x, b) - 1.0) / b
+
+    total = float(cdf(vocab + 1.0))
+    head = min(vocab, 1 << 16)
+    r = np.arange(head, dtype=np.float64)
+    p = np.minimum((cdf(r + 2.0) - cdf(r + 1.0)) / total, 1.0 - 1e-16)
+    seen = float(np.sum(-np.expm1(rows * np.log1p(-p))))
+    if vocab > head:
+        x = np.geomspace(head + 1.0, vocab + 1.0, 2049)
+        seen += float(np.trapezoid(-np.expm1(-rows * np.power(x, -a) / total), x))
+    return seen
+
+
+def vocab_for_distinct(target: int, a: float, rows: float) -> int:
+    """The vocabulary whose :func:`expected_distinct` in `rows` draws is `target` (bisection on its
+    log; at most 1000x the target, where a tail this light cannot reach the target)."""
+    if expected_distinct(target, a, rows) >= target - 0.5:
+        return int(target)
+    lo, hi = float(target), 1000.0 * target
+    for _ in range(25):  # to a factor 1000 ** 2 ** -25 = 1 + 2e-7
+        mid = float(np.sqrt(lo * hi))
+        lo, hi = (mid, hi) if expected_distinct(int(mid), a, rows) < target else (lo, mid)
+    return int(round(hi))
 
 
 def _distinct_hex(rng: np.random.Generator, n: int) -> np.ndarray:

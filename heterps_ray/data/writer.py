@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from heterps_ray.data.criteo import COLUMNS, RAW_SCHEMA
+from heterps_ray.data.criteo import COLUMNS, NUM_SLOTS, RAW_SCHEMA, SPARSE_COLUMNS, distinct_slot_keys
 from heterps_ray.data.layout import FORMAT, META_FILE, SPLITS, is_dataset, part_name, split_dir
 from heterps_ray.errors import ConfigError, DataError
 
@@ -38,6 +38,7 @@ class DatasetWriter:
         _check_output(self.output, overwrite)
         self.eval_every = eval_every
         self.rows_written = 0
+        self._distinct = [DistinctCounter() for _ in range(NUM_SLOTS)]
         self._tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
         shutil.rmtree(self._tmp, ignore_errors=True)
         try:
@@ -49,6 +50,8 @@ class DatasetWriter:
         """Append raw-form rows (:data:`~heterps_ray.data.criteo.RAW_SCHEMA`)."""
         table = table.select(COLUMNS).cast(RAW_SCHEMA)
         n = table.num_rows
+        for slot, (name, counter) in enumerate(zip(SPARSE_COLUMNS, self._distinct, strict=True)):
+            counter.add(distinct_slot_keys(table.column(name), slot))
         if self.eval_every > 0:
             index = np.arange(self.rows_written, self.rows_written + n)
             to_eval = index % self.eval_every == self.eval_every - 1
@@ -64,6 +67,12 @@ class DatasetWriter:
         meta["format"] = FORMAT
         meta["rows"] = {s: w.rows for s, w in self._parts.items()}
         meta["files"] = {s: w.close() for s, w in self._parts.items()}
+        # the keys each slot gives the sparse table (train and eval): the table's expected rows
+        meta["distinct_values"] = {
+            name: c.count() for name, c in zip(SPARSE_COLUMNS, self._distinct, strict=True)
+        }
+        meta["distinct_values_total"] = sum(meta["distinct_values"].values())
+        meta["distinct_values_method"] = DistinctCounter.METHOD
         meta["split_rule"] = {
             "eval_every": self.eval_every,
             "rule": "row i (0-based) goes to eval when eval_every > 0 and i % eval_every == eval_every - 1",
@@ -117,6 +126,46 @@ class _PartWriter:
             self._writer.close()
             self._writer = None
         return self._files
+
+
+class DistinctCounter:
+    """How many distinct 64-bit keys were added: exact while at most ``EXACT_MAX``, then a
+    HyperLogLog estimate (Flajolet et al. 2007) with 2^14 one-byte registers, so a slot of 10M
+    values costs 16 KiB rather than 80 MB (relative error about 1.04/sqrt(2^14) = 0.8%)."""
+
+    EXACT_MAX = 100_000
+    _P = 14  # register index bits
+    METHOD = f"exact up to {EXACT_MAX:,} per slot, else HyperLogLog with 2^{_P} registers (about 1% error)"
+
+    def __init__(self) -> None:
+        self._exact: np.ndarray | None = np.zeros(0, dtype=np.int64)
+        self._registers = np.zeros(1 << self._P, dtype=np.uint8)
+
+    def add(self, keys: np.ndarray) -> None:
+        keys = np.asarray(keys, dtype=np.int64)
+        if self._exact is not None:
+            self._exact = np.union1d(self._exact, keys)
+            if len(self._exact) <= self.EXACT_MAX:
+                return
+            keys, self._exact = self._exact, None
+        h = keys.view(np.uint64)
+        index = (h >> np.uint64(64 - self._P)).astype(np.intp)
+        rest = (h << np.uint64(self._P)) | np.uint64(1 << (self._P - 1))  # a guard bit bounds the run
+        _, bit_length = np.frexp(rest.astype(np.float64))
+        rank = (65 - bit_length).astype(np.uint8)  # leading zeros + 1
+        np.maximum.at(self._registers, index, rank)
+
+    def count(self) -> int:
+        if self._exact is not None:
+            return len(self._exact)
+        m = float(len(self._registers))
+        estimate = (
+            0.7213 / (1 + 1.079 / m) * m * m / float(np.sum(np.exp2(-self._registers.astype(np.float64))))
+        )
+        zeros = int((self._registers == 0).sum())
+        if estimate <= 2.5 * m and zeros:  # small range: linear counting
+            estimate = m * np.log(m / zeros)
+        return int(round(estimate))
 
 
 def eval_every(eval_fraction: float) -> int:
