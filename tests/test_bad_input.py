@@ -432,7 +432,9 @@ def test_resume_from_truncated_checkpoints_exits_2_naming_the_file(
 def test_resume_from_a_snapshot_corrupted_before_its_manifest_exits_2_naming_it(
     checkpointed_run, one_stage_plan, dataset, tmp_path, capsys
 ):
-    """The manifest matches, so only the PS shard actor reading the file finds it broken."""
+    """The driver's manifest matches the broken file: the hash its PS shard reported when it wrote the
+    snapshot still catches it; a checkpoint without those reports (older runs) leaves it to the PS
+    shard actor reading the file."""
     job, out = _copy_run(checkpointed_run, tmp_path, dataset)
     newest = out / CHECKPOINTS_DIR / f"step-{STEPS:08d}"
     for older in (out / CHECKPOINTS_DIR).iterdir():
@@ -444,8 +446,11 @@ def test_resume_from_a_snapshot_corrupted_before_its_manifest_exits_2_naming_it(
     write_manifest(newest, {k: v for k, v in manifest.items() if k != "files"})
     before = _tree(out)
     err = _refused(_resume_argv(job, one_stage_plan), capsys)
-    assert f"{shard}: not a readable .npz" in err, err
+    assert f"{shard}: PS shard snapshot written by node" in err and "differs from its SHA-256" in err, err
     assert _tree(out) == before
+    write_manifest(newest, {k: v for k, v in manifest.items() if k not in ("files", "shards")})
+    err = _refused(_resume_argv(job, one_stage_plan), capsys)
+    assert f"{shard}: not a readable .npz" in err, err
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "flipped dense byte", "model.json not JSON"])

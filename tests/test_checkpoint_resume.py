@@ -250,6 +250,49 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset,
     assert dense_file.exists() and (run_dir / "model" / MANIFEST).exists()
 
 
+def _lose_shard_snapshot(checkpoint: Path) -> None:
+    """What a PS shard snapshot written to a node's own disk looks like to the driver: absent, and
+    so never hashed into the manifest's `files` (the shard's own report still lists it)."""
+    (checkpoint / "ps-shard-00001.npz").unlink()
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    del manifest["files"]["ps-shard-00001.npz"]
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_missing_a_shard_snapshot_falls_back_or_is_refused(ray_local, dataset, tmp_path, capsys):
+    """Never resume on empty or partial tables: the newest complete checkpoint, else exit 2 naming the
+    missing snapshot and the node that wrote it."""
+    from heterps_ray.cli import main
+
+    run_dir = tmp_path / "run"
+    job = _job(dataset, run_dir, checkpoint_every=STOP // 2)
+    first = train(job, load_plan(PLAN), steps=STOP, progress=False)
+    older, newest = (Path(p) for p in first.extra["checkpoints"][-2:])
+    shards = json.loads((newest / MANIFEST).read_text())["shards"]
+    assert [s["file"] for s in shards] == ["ps-shard-00000.npz", "ps-shard-00001.npz"]
+    assert all(
+        s["node"] == ray_local.get_runtime_context().get_node_id() and len(s["sha256"]) == 64 for s in shards
+    )
+    _lose_shard_snapshot(newest)
+
+    resumed = train(job, load_plan(PLAN), steps=TOTAL, progress=False, resume=True)
+    assert resumed.extra["resumed_from"]["checkpoint"] == str(older)
+    (why,) = resumed.extra["resumed_from"]["skipped"]
+    assert "ps-shard-00001.npz: PS shard snapshot missing, written by node" in why
+
+    for checkpoint in sorted((run_dir / CHECKPOINTS_DIR).glob("step-*")):
+        _lose_shard_snapshot(checkpoint)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(job.model_dump_json())
+    argv = ["train", str(job_file), "--plan", str(PLAN), "--steps", str(TOTAL), "--no-progress", "--resume"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "no valid checkpoint" in err
+        and "ps-shard-00001.npz: PS shard snapshot missing, written by node" in err
+    )
+
+
 def test_resume_of_a_directory_without_a_checkpoint_exits_2(ray_local, dataset, tmp_path, capsys):
     from heterps_ray.cli import main
 
