@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from heterps_ray.costmodel.analytic import CostModel, Evaluation
 from heterps_ray.costmodel.problem import Problem
 from heterps_ray.errors import ConfigError
+from heterps_ray.ps.atomic import write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n")
-        return path
+        return write_bytes_atomic(path, (self.to_json() + "\n").encode())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], problem: Problem | None = None, file: str | None = None) -> Plan:

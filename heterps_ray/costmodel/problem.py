@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 
 from heterps_ray.config import read_yaml, validate
 from heterps_ray.errors import ConfigError
+from heterps_ray.ps.atomic import write_bytes_atomic
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 _NAME = r"^[A-Za-z][A-Za-z0-9_\-]*$"
@@ -321,10 +322,8 @@ class Problem(BaseModel):
         if path.suffix == ".json":
             import json
 
-            path.write_text(json.dumps(data, indent=2) + "\n")
-        else:
-            path.write_text(yaml.safe_dump(data, sort_keys=False, width=120))
-        return path
+            return write_bytes_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+        return write_bytes_atomic(path, yaml.safe_dump(data, sort_keys=False, width=120).encode())
 
 
 def problem_from_dict(data: dict[str, Any], file: str | None = None) -> Problem:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ import yaml
 
 from heterps_ray.config import ClusterConfig
 from heterps_ray.errors import DataError
+from heterps_ray.ps.atomic import write_bytes_atomic
 
 # Long-format measurement table: one row per timed repeat.
 #   kind      "layer" (one layer fwd+bwd on one actor), "layer_pair" (`calls` calls in `ms` on one of
@@ -356,9 +358,7 @@ def fit_problem(
     if execution is not None:
         problem["runtime"] = {**_runtime_terms(problem, measurements, execution, rows), **runtime}
     quality = pd.DataFrame(rows)
-    return FitResult(
-        problem=problem, quality=quality, measurements=measurements, flags=flags
-    )
+    return FitResult(problem=problem, quality=quality, measurements=measurements, flags=flags)
 
 
 _PROBE_SCALE = (0.25, 4.0)  # a runtime/profile time ratio outside this is a broken measurement: clipped
@@ -447,11 +447,13 @@ def write_problem(result: FitResult, path: str | Path, header: str = "") -> dict
     else:
         lines.append(f"# every fit has R² >= {R2_POOR} and non-negative coefficients ({path.stem}.fit.csv)")
     text = "\n".join(lines) + "\n" + yaml.safe_dump(result.problem, sort_keys=False, width=110)
-    path.write_text(text)
     raw = path.with_name(f"{path.stem}.measurements.parquet")
     quality = path.with_name(f"{path.stem}.fit.csv")
-    result.measurements.to_parquet(raw, index=False)
-    result.quality.to_csv(quality, index=False)
+    buffer = io.BytesIO()
+    result.measurements.to_parquet(buffer, index=False)
+    write_bytes_atomic(raw, buffer.getvalue())
+    write_bytes_atomic(quality, result.quality.to_csv(index=False).encode())
+    write_bytes_atomic(path, text.encode())  # last: a problem file names a complete profile
     return {"problem": path, "measurements": raw, "quality": quality}
 
 

@@ -28,6 +28,7 @@ import torch
 
 from heterps_ray.config import JobConfig, OptimizerConfig
 from heterps_ray.models import LayerChain, ModelSpec, loss_fn
+from heterps_ray.ps.atomic import write_bytes_atomic
 from heterps_ray.ps.table import SparseTable
 from heterps_ray.runtime.evaluation import evaluate_logits
 
@@ -191,5 +192,5 @@ def run_reference(job: JobConfig, steps: int | None = None, progress: bool = Tru
         "dataset": str(dataset.path),
     }
     job.output_dir.mkdir(parents=True, exist_ok=True)
-    (job.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    write_bytes_atomic(job.output_dir / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode())
     return summary
