@@ -124,16 +124,18 @@ def test_meta_records_each_slots_distinct_values_in_synth_and_convert(small, tmp
 
 
 def test_distinct_counter_is_exact_when_small_and_within_2_percent_when_large():
+    import pyarrow as pa
+
     from heterps_ray.data.writer import DistinctCounter
 
     rng = np.random.default_rng(0)
     for n in (1_000, DistinctCounter.EXACT_MAX, 3 * DistinctCounter.EXACT_MAX, 2_000_000):
         counter = DistinctCounter()
-        keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
-        for chunk in np.array_split(np.concatenate([keys, keys[: n // 2]]), 7):  # repeats
+        values = pa.array(np.char.mod("%08x", rng.permutation(4 * n)[:n]).astype(object))
+        for chunk in (values, values.slice(n // 3), pa.array([None, "", None])):  # repeats, missing
             counter.add(chunk)
-        if n <= DistinctCounter.EXACT_MAX:
-            assert counter.count() == n
+        if n <= DistinctCounter.EXACT_MAX - 1:
+            assert counter.count() == n + 1  # the values and the missing one ("")
         else:
             assert abs(counter.count() / n - 1) < 0.02, (n, counter.count())
 

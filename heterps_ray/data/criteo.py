@@ -392,18 +392,6 @@ def _hash_chunk(values: pa.Array, slot: int) -> np.ndarray:
     return keys[indices.to_numpy(zero_copy_only=False)]
 
 
-def distinct_slot_keys(values: pa.Array | pa.ChunkedArray, slot: int) -> np.ndarray:
-    """The keys of the distinct values of one slot's column (a missing value counts as one value,
-    the empty string, as :func:`hash_slot` maps it): what the sparse table will see of it."""
-    chunked = values if isinstance(values, pa.ChunkedArray) else pa.chunked_array([values])
-    if not pa.types.is_string(chunked.type):
-        chunked = pc.cast(chunked, pa.string())
-    uniques = pc.unique(chunked).drop_null().to_numpy(zero_copy_only=False)
-    if chunked.null_count and not (uniques == "").any():
-        uniques = np.append(uniques, "")
-    return _keys_of(uniques.astype(object), slot)
-
-
 def _keys_of(values: np.ndarray, slot: int) -> np.ndarray:
     from pandas.util import hash_array
 

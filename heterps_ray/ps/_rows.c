@@ -423,7 +423,7 @@ static void initial_row(const Rows *t, int64_t key, float *out) {
     uint64_t base = mix64((uint64_t)key ^ t->seed_mix);
     for (int c = 0; c < t->dim; c++) {
         uint64_t bits = mix64(base + (uint64_t)(c + 1) * GOLDEN);
-        double unit = (double)(bits >> 11) * (1.0 / 9007199254740992.0);
+        double unit = (double)(int64_t)(bits >> 11) * (1.0 / 9007199254740992.0); /* < 2^53: exact */
         out[c] = (float)((2.0 * unit - 1.0) * t->scale);
     }
 }
@@ -892,6 +892,81 @@ static PyObject *Rows_set_clock(Rows *t, PyObject *args) {
 
 static Py_ssize_t Rows_len(Rows *t) { return (Py_ssize_t)t->rows.live; }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Distinct counting for datasets' _meta.json (heterps_ray.data.writer.DistinctCounter)           */
+
+static inline uint64_t hash_bytes(const uint8_t *p, int64_t n) {
+    uint64_t h = 0x243F6A8885A308D3ULL ^ (uint64_t)n, w;
+    for (; n >= 8; p += 8, n -= 8) {
+        memcpy(&w, p, 8);
+        h = mix64(h ^ w);
+    }
+    w = 0;
+    memcpy(&w, p, (size_t)n);
+    return mix64(h ^ w);
+}
+
+/* hll_add_strings(registers uint8[2^p], p, offsets int32 buffer, data buffer | None,
+ *                 validity buffer | None, offset, length): add the values of an Arrow string array
+ *                 (a null counts as the empty string) to HyperLogLog registers */
+static PyObject *hll_add_strings(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ro, *oo, *dob, *vo;
+    int p;
+    Py_ssize_t offset, length;
+    if (!PyArg_ParseTuple(args, "OiOOOnn", &ro, &p, &oo, &dob, &vo, &offset, &length)) return NULL;
+    if (p < 4 || p > 20) {
+        PyErr_SetString(PyExc_ValueError, "p must be in [4, 20]");
+        return NULL;
+    }
+    Py_buffer rb, ob, db = {0}, vb = {0};
+    if (get_buf(ro, &rb, 1, 1, (Py_ssize_t)1 << p, "registers") < 0) return NULL;
+    if (PyObject_GetBuffer(oo, &ob, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    int ok = 1;
+    if (dob != Py_None && PyObject_GetBuffer(dob, &db, PyBUF_SIMPLE) < 0) ok = 0;
+    if (ok && vo != Py_None && PyObject_GetBuffer(vo, &vb, PyBUF_SIMPLE) < 0) ok = 0;
+    if (ok && ob.len < (offset + length + 1) * 4) {
+        PyErr_SetString(PyExc_ValueError, "offsets buffer too short");
+        ok = 0;
+    }
+    if (ok && vb.buf && vb.len * 8 < offset + length) {
+        PyErr_SetString(PyExc_ValueError, "validity buffer too short");
+        ok = 0;
+    }
+    if (ok) {
+        const int32_t *off = (const int32_t *)ob.buf + offset;
+        static const uint8_t empty[8] = {0};
+        const uint8_t *data = db.buf ? (const uint8_t *)db.buf : empty, *valid = vb.buf;
+        uint8_t *reg = rb.buf;
+        if (length && (off[length] > db.len || off[0] < 0)) {
+            PyErr_SetString(PyExc_ValueError, "data buffer too short");
+            ok = 0;
+        }
+        for (Py_ssize_t i = 0; ok && i < length; i++) {
+            Py_ssize_t bit = offset + i;
+            int present = !valid || (valid[bit >> 3] >> (bit & 7)) & 1;
+            uint64_t h = present ? hash_bytes(data + off[i], off[i + 1] - off[i]) : hash_bytes(empty, 0);
+            uint64_t idx = h >> (64 - p), rest = (h << p) | ((uint64_t)1 << (p - 1));
+            uint8_t rank = (uint8_t)(__builtin_clzll(rest) + 1);
+            if (rank > reg[idx]) reg[idx] = rank;
+        }
+    }
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&ob);
+    if (db.obj) PyBuffer_Release(&db);
+    if (vb.obj) PyBuffer_Release(&vb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"hll_add_strings", hll_add_strings, METH_VARARGS,
+     "hll_add_strings(registers, p, offsets, data, validity, offset, length)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef Rows_methods[] = {
     {"pull", (PyCFunction)Rows_pull, METH_VARARGS, "pull(keys, out, unique, create, step)"},
     {"push", (PyCFunction)Rows_push, METH_VARARGS, "push(keys, grads, unique) -> keys applied"},
@@ -918,7 +993,8 @@ static PyTypeObject RowsType = {
 };
 
 static struct PyModuleDef rows_module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_rows", .m_doc = "Compact embedding rows", .m_size = -1};
+    PyModuleDef_HEAD_INIT, .m_name = "_rows", .m_doc = "Compact embedding rows", .m_size = -1,
+    .m_methods = module_methods};
 
 PyMODINIT_FUNC PyInit__rows(void) {
     if (PyType_Ready(&RowsType) < 0) return NULL;
