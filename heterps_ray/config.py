@@ -189,18 +189,6 @@ class TableConfig(BaseModel):
     )
     evict: Literal["lru", "lfu"] = Field("lru", description="at the cap: least recently or least often seen")
 
-    @model_validator(mode="after")
-    def _check_wired(self) -> TableConfig:
-        # The runtime builds its TableSpec by hand (runtime/actors.py) and does not yet pass the
-        # global batch index to PS pulls; until it uses heterps_ray.ps.shard.sparse_spec and
-        # passes `step`, a setting here would be ignored silently, so it is refused instead.
-        if self != TableConfig.model_construct():
-            raise ValueError(
-                "table admission/eviction settings are not wired into the runtime yet "
-                "(heterps_ray.ps.shard.sparse_spec; see issue 22)"
-            )
-        return self
-
 
 class RuntimeConfig(BaseModel):
     model_config = _STRICT

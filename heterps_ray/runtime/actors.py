@@ -22,7 +22,7 @@ import ray
 from heterps_ray.config import JobConfig
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard, sparse_spec
 from heterps_ray.runtime.pipeline import StageSpec
 from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
 from heterps_ray.runtime.workers import (
@@ -52,13 +52,7 @@ class ActorSet:
                 "(stage 0 replicas); write more Parquet parts or use fewer replicas"
             )
         self.files = files
-        self.table = TableSpec(
-            dim=model.embedding_dim,
-            seed=job.seed,
-            lr=job.optimizer.sparse_lr,
-            init_accumulator=job.optimizer.sparse_init_accumulator,
-            init_scale=model.embedding_init_scale,
-        )
+        self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         # one DataWorker and no replicated stage: the PS shards live in its process (no PS calls)
         self.hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in stages)
         # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
@@ -109,6 +103,7 @@ class ActorSet:
             max_in_flight=self.job.runtime.max_in_flight,
             batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
             compiled_chain=self.chained,
+            workers=self.num_workers,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
         shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards

@@ -230,6 +230,9 @@ def load_checkpoint(directory: str | Path, table: str = "embedding") -> Checkpoi
         lr=settings["lr"],
         init_accumulator=settings["init_accumulator"],
         init_scale=settings["init_scale"],
+        # keys the model never admitted read what training read for them (zeros with admission on)
+        optimizer=settings.get("optimizer", "adagrad"),
+        admit_after=int(settings.get("admit_after", 1)),
     )
     parts: dict[str, list[np.ndarray]] = {"keys": [], "weights": [], "accumulators": []}
     for i, name in enumerate(settings["files"]):

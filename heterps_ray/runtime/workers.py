@@ -60,6 +60,7 @@ class DataSettings:
     max_in_flight: int
     batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
     compiled_chain: bool = False  # drive stages 1..S-1 (one replica each) as a compiled graph (chain.py)
+    workers: int = 1  # DataWorkers of the plan (the table's clock interleaves their batches)
 
 
 @dataclass(frozen=True)
@@ -325,6 +326,7 @@ class DataWorker:
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
         self._generation = generation  # see StageWorker: tags every call this worker sends
         self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
+        self._workers = data.workers
         self.model = model
         self.compute = _compute(stage0, model, settings, dense_ps)
         self.device = self.compute.device
@@ -479,7 +481,7 @@ class DataWorker:
         if self.sync:
             self._settle_pushes(0)  # ordering already holds; this surfaces PS errors early
             with self._busy:
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], split=split)
+                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], split=split, step=self._clock())
             self._batch_rows = rows
             self._batch_emb_grad = np.zeros_like(rows)
         for j in range(k):
@@ -516,6 +518,12 @@ class DataWorker:
                 self._updates += 1
         self._batch_index += 1
 
+    def _clock(self, batch: int | None = None) -> int:
+        """The global batch index of this worker's `batch` (default: the current one), the clock of
+        the table's admission counts and TTL: batches of the DataWorkers interleaved, a function of
+        the position in the data only, so a replay after a fault sees the same clock."""
+        return (self._batch_index if batch is None else batch) * self._workers + self.index
+
     # -- the in-flight window --------------------------------------------------------------------
 
     def _batches_in_flight(self) -> int:
@@ -549,7 +557,7 @@ class DataWorker:
             if self.sync:
                 rows = self._batch_rows[item.rows]
             else:
-                rows = self.ps.pull(SPARSE_TABLE, item.keys, split=item.split)
+                rows = self.ps.pull(SPARSE_TABLE, item.keys, split=item.split, step=self._clock(item.batch))
             item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
             dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
             item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
