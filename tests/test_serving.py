@@ -113,3 +113,19 @@ def test_missing_model_or_data_exits_2(trained, tmp_path, capsys):
     with pytest.raises(DataError, match="not a readable Parquet file"):
         predict(output_dir, tmp_path / "bad.parquet", tmp_path / "y.parquet")
     assert not (tmp_path / "y.parquet").exists()
+
+
+def test_unseen_key_rule_of_an_export_is_what_training_gave_such_keys():
+    from heterps_ray.ps.table import SparseTable, initial_rows
+    from heterps_ray.serving.export import _unseen_rule
+
+    plain = _unseen_rule(SparseTable(4, seed=3, init_scale=0.02))
+    assert plain["implementation"] == "heterps_ray.ps.table.initial_rows" and plain["seed"] == 3
+    np.testing.assert_array_equal(
+        SparseTable(4, seed=3, init_scale=0.02).pull(np.array([9]), create=False),
+        initial_rows(np.array([9]), 4, plain["seed"], plain["init_scale"]),
+    )
+    admitting = SparseTable(4, seed=3, admit_after=2)
+    rule = _unseen_rule(admitting)
+    assert rule["rule"].startswith("zeros") and rule["admit_after"] == 2
+    np.testing.assert_array_equal(admitting.pull(np.array([9]), create=False), np.zeros((1, 4), np.float32))

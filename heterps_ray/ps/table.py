@@ -233,12 +233,13 @@ class SparseTable:
         meta = np.empty((n, 2), dtype=np.uint32) if self.tracked else None
         self._rows.export(0, keys, weights, accum, meta)
         order = np.argsort(keys, kind="stable")
-        out: dict[str, np.ndarray] = {
-            "keys": keys[order],
-            "weights": weights[order],
-            "accumulators": accum[order],
-        }
-        del keys, weights, accum
+        # sorted one array at a time, each unsorted one freed as soon as its copy exists
+        out: dict[str, np.ndarray] = {"keys": keys[order]}
+        del keys
+        out["weights"] = weights[order]
+        del weights
+        out["accumulators"] = accum[order]
+        del accum
         if meta is not None:
             out["counts"], out["last_seen"] = meta[order, 0], meta[order, 1]
             out["step"] = np.array(self._step, dtype=np.int64)

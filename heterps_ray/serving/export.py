@@ -31,6 +31,7 @@ import heterps_ray
 from heterps_ray.data.criteo import DENSE_COLUMNS, SPARSE_COLUMNS
 from heterps_ray.errors import DataError
 from heterps_ray.models import LayerChain
+from heterps_ray.ps.table import SparseTable
 from heterps_ray.runtime.checkpoint import MODEL_DIR, Checkpoint, load_checkpoint, write_manifest
 
 FORMAT = "heterps_ray.export/1"
@@ -115,15 +116,25 @@ def export_model(output_dir: str | Path, output: str | Path) -> dict[str, Any]:
             "note": "one table for all slots: the slot is mixed into the key",
         },
         "feature_hashing": FEATURE_HASHING,
-        "unseen_keys": {
-            "rule": "uniform(-init_scale, init_scale) from the key and the seed",
-            "seed": table.seed,
-            "init_scale": table.init_scale,
-            "implementation": "heterps_ray.ps.table.initial_rows",
-        },
+        "unseen_keys": _unseen_rule(table),
     }
     write_manifest(out, info)
     return {**info, "files": json.loads((out / MANIFEST).read_text())["files"]}
+
+
+def _unseen_rule(table: SparseTable) -> dict[str, Any]:
+    """What a key without a row reads: what training gave it (SparseTable's default row)."""
+    if table.admit_after > 1:
+        return {
+            "rule": "zeros: training gives a key a row at its admit_after-th batch and zeros until then",
+            "admit_after": table.admit_after,
+        }
+    return {
+        "rule": "uniform(-init_scale, init_scale) from the key and the seed",
+        "seed": table.seed,
+        "init_scale": table.init_scale,
+        "implementation": "heterps_ray.ps.table.initial_rows",
+    }
 
 
 def load_dense(path: str | Path) -> torch.jit.ScriptModule:
