@@ -102,7 +102,9 @@ def test_async_overlaps_batches_and_data_workers_until_a_stage_binds():
     ahead = _model(mode="async", batches_ahead=1).evaluate(["a", "b", "b"], [1, 1], 1)
     assert ahead.runtime is not None and serial.runtime is not None
     assert ahead.runtime.loop_throughput == pytest.approx(2 * serial.runtime.loop_throughput)
-    assert ahead.throughput == pytest.approx(min(ahead.runtime.loop_throughput, *ahead.runtime.stage_throughput))
+    assert ahead.throughput == pytest.approx(
+        min(ahead.runtime.loop_throughput, *ahead.runtime.stage_throughput)
+    )
     far = _model(mode="async", batches_ahead=3).evaluate(["a", "b", "b"], [1, 1], 1)
     assert far.runtime is not None and far.bound.startswith("stage")
     assert far.throughput == pytest.approx(min(far.runtime.stage_throughput))
@@ -184,10 +186,95 @@ def test_exact_agrees_with_enumerating_every_plan_of_the_runtime_model(runtime, 
             assert counts.cost >= plan.cost * (1 - 1e-9)
 
 
-def test_the_level_search_refuses_a_problem_with_runtime_terms():
-    problem = problem_from_dict(_problem({**TERMS, "mode": "sync"}))
-    with pytest.raises(ConfigError, match="base model only"):
-        get_scheduler("exact", method="levels").schedule(problem)
+def _check_levels_against(model: CostModel, cheapest: float, fastest: float) -> None:
+    """The ILP level walk (what `exact` runs above BRUTE_FORCE_LIMIT assignments) equals enumeration."""
+    plan = get_scheduler("exact", method="levels").schedule(model.problem)
+    assert plan.extra["method"] == "levels+ilp" and plan.extra["proof"]["proven"]
+    if math.isfinite(cheapest):
+        assert plan.feasible and plan.cost == pytest.approx(cheapest, rel=1e-9)
+        assert plan.extra["proof"]["cost"] == pytest.approx(plan.cost)
+    else:
+        assert not plan.feasible
+        assert plan.best_throughput == pytest.approx(fastest, rel=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "floor", "hosted"),
+    [
+        ({"mode": "sync"}, 2000.0, "auto"),
+        ({"mode": "async"}, 3000.0, "auto"),
+        ({"mode": "async", "batches_ahead": 2}, 9000.0, "auto"),
+        ({"mode": "async", "micro_batches": 2}, 5000.0, "actors"),
+        ({"mode": "sync", "micro_batches": 4}, 1500.0, "actors"),
+        ({"mode": "async"}, 1e6, "auto"),  # no plan meets the floor: the fastest plan
+    ],
+)
+@pytest.mark.parametrize("shared_host", [True, False])
+def test_the_ilp_level_search_agrees_with_enumerating_every_plan(runtime, floor, hosted, shared_host):
+    hosts = [{"name": "box", "cores": 3, "types": ["a", "b"], "call_cpu_ms": 0.3}] if shared_host else None
+    model = CostModel(
+        problem_from_dict(_problem({**TERMS, **runtime, "ps_hosting": hosted}, hosts, floor=floor))
+    )
+    _check_levels_against(model, *_enumerate(model))
+
+
+def _random_problem(seed: int) -> dict:
+    """A small random problem with a random runtime section (and sometimes a shared host): few
+    layers, types and instances, so that every assignment, count and shard number can be enumerated."""
+    rng = np.random.default_rng(seed)
+    L, T = int(rng.integers(2, 4)), int(rng.integers(2, 4))
+    names = ["a", "b", "c"][:T]
+    resources = [
+        {"name": n, "price_per_hour": round(float(rng.uniform(0.3, 4.0)), 2), "max_instances": int(rng.integers(1, 4)),
+         "bandwidth_gbps": float(rng.choice([1.0, 2.0, 10.0])), "latency_ms": round(float(rng.uniform(0, 0.5)), 2),
+         "threads": int(rng.integers(1, 3)), "call_overhead_ms": round(float(rng.uniform(0, 0.6)), 2)}
+        for n in names
+    ]  # fmt: skip
+    resources[0]["max_instances"] = max(resources[0]["max_instances"], 2)  # the shards live there
+    layers = []
+    for li in range(L):
+        runs = [n for n in names if n == "a" or rng.random() < 0.8]
+        layers.append(
+            {"name": f"l{li}", "out_bytes_per_sample": float(rng.integers(4, 400)),
+             "sparse_rows_per_sample": float(rng.integers(0, 20)) if li == 0 else 0.0,
+             "parallel_fraction": round(float(rng.uniform(0.3, 1.0)), 3),
+             "time_ms": {n: {"fixed": round(float(rng.uniform(0.1, 2.0)), 3),
+                             "per_sample": round(float(rng.uniform(0.0, 0.05)), 4)} for n in runs}}
+        )  # fmt: skip
+    mode = str(rng.choice(["sync", "async"]))
+    runtime = {
+        "mode": mode,
+        "micro_batches": int(rng.choice([1, 2, 4])),
+        "batches_ahead": int(rng.integers(0, 3)) if mode == "async" else 0,
+        "ps_hosting": str(rng.choice(["auto", "actors"])),
+        "call_ms": {n: round(float(rng.uniform(0.2, 2.5)), 2) for n in names},
+        "ps_wait_ms_per_row": float(rng.choice([0.0, 1e-3])),
+        "ps_hosted_ms_per_row": float(rng.choice([0.0, 5e-4])),
+    }
+    data = {
+        "name": f"random-{seed}", "batch_size": B, "samples": 1e6, "throughput_min": 0.0,
+        "input_bytes_per_sample": float(rng.integers(0, 200)), "resources": resources,
+        "ps": {"resource": "a", "rows_per_second_per_shard": float(rng.uniform(2e5, 2e6)),
+               "min_shards": int(rng.integers(1, 3))},
+        "layers": layers, "runtime": runtime,
+    }  # fmt: skip
+    if rng.random() < 0.4:
+        data["hosts"] = [{"name": "box", "cores": float(rng.integers(2, 5)), "types": names[:2],
+                          "call_cpu_ms": round(float(rng.uniform(0, 0.5)), 2)}]  # fmt: skip
+    return data
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_exact_on_random_small_runtime_problems_equals_enumeration(seed):
+    data = _random_problem(seed)
+    model = CostModel(problem_from_dict(data))
+    _, fastest = _enumerate(model)
+    # floors from far below to above the fastest plan: the cheapest plan's speed changes with them
+    for share in (0.3, 0.8, 1.2):
+        data["throughput_min"] = round(share * fastest, 1)
+        model = CostModel(problem_from_dict(data))
+        cheapest, reached = _enumerate(model)
+        _check_levels_against(model, cheapest, reached)
 
 
 def test_execution_fields_are_set_and_checked():

@@ -4,9 +4,9 @@
 `exact` does that up to BRUTE_FORCE_LIMIT assignments and the level search above it.
 
 A problem with runtime terms (DESIGN.md §3b) couples its stages through the DataWorker's loop and the
-shared hosts, which the level search's per-segment DP does not see: `exact` enumerates its
-assignments (up to RUNTIME_BRUTE_LIMIT; the profiler's problems have the cluster's few types), and
-the fastest plan is found the same way.
+shared hosts, which the level search's per-segment DP does not see: above BRUTE_FORCE_LIMIT
+assignments `exact` walks the same levels with each level solved as an ILP over the stages
+(runtime_levels.py), and the fastest plan comes from the same search.
 
 The level search is exact for any size (tests check it equals brute force). For a target X the
 cheapest cost *rate* R*(X) is a shortest path over stage boundaries: a stage is a segment of
@@ -53,7 +53,7 @@ _STEP_RTOL = 1e-9  # next level strictly above the last plan's throughput (relat
 DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
 _TOO_MANY_STATES = object()
 BRUTE_FORCE_LIMIT = 256  # assignments; above this `exact` (method "auto") uses the level search
-RUNTIME_BRUTE_LIMIT = 200_000  # assignments `exact` enumerates for a problem with runtime terms
+RUNTIME_BRUTE_LIMIT = 200_000  # assignments `brute` enumerates for a problem with runtime terms
 
 
 def count_assignments(problem: Problem) -> int:
@@ -102,20 +102,27 @@ def brute_force(
     )
 
 
-def _enumerated_fastest(model: CostModel) -> tuple[float, tuple[int, ...] | None]:
-    """fastest_plan by enumeration (problems with runtime terms)."""
-    n = count_assignments(model.problem)
-    if n > RUNTIME_BRUTE_LIMIT:
-        raise ConfigError(
-            None, "layers", f"at most {RUNTIME_BRUTE_LIMIT:,} assignments for a problem with runtime terms", n
-        )
-    choices = [np.flatnonzero(model.runnable[li]).tolist() for li in range(model.num_layers)]
-    best: tuple[float, tuple[int, ...] | None] = (0.0, None)
-    for assignment in itertools.product(*choices):
-        reached = provision_counts(model, assignment).max_throughput
-        if reached > best[0]:
-            best = (reached, tuple(int(t) for t in assignment))
-    return best
+def _runtime_fastest(model: CostModel, known: float = 0.0) -> tuple[float, tuple[int, ...] | None]:
+    """fastest_plan for a problem with runtime terms: the ILP levels' bisection (runtime_levels.py)."""
+    from heterps_ray.scheduling.runtime_levels import RuntimeLevels
+
+    search = RuntimeLevels(model)
+    seeds = [(t,) * model.num_layers for t in range(model.num_types) if model.runnable[:, t].all()]
+    fastest: tuple[int, ...] | None = None
+    for assignment in seeds:
+        most = provision_counts(model, assignment).max_throughput
+        if most > known:
+            known, fastest = most, assignment
+    if known <= 0.0:  # any plan at all: the lowest level
+        level = search.solve(1e-9, objective=False)
+        if level is None:
+            return 0.0, None
+        fastest = level.assignment
+        known = provision_counts(model, fastest).max_throughput
+        if known <= 0.0:
+            return 0.0, None
+    theta_max, reached = search.fastest(known, search.throughput_bound(known))
+    return theta_max, reached or fastest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,6 +585,11 @@ def level_search(problem: Problem, model: CostModel | None = None, state_limit: 
         best_throughput=theta_max,
         extra={
             "method": "levels",
+            "proof": {
+                "kind": "level walk, levels solved by DP",
+                "proven": True,
+                "stop": "the DP's rate at the level / max throughput >= cost, or no faster level",
+            },
             "levels_solved": search.solves,
             "counting_dp_solves": search.counting_solves,
             "ilp_solves": search.ilp_solves,
@@ -590,7 +602,9 @@ def max_reachable_throughput(problem: Problem, relaxed: bool = False) -> float:
 
     relaxed: a fast upper bound that checks each stage against its type's limit, not their sum."""
     if problem.runtime is not None:
-        return _enumerated_fastest(CostModel(problem))[0]
+        if relaxed:
+            return throughput_bounds(problem)[1]
+        return _runtime_fastest(CostModel(problem))[0]
     return _LevelSearch(CostModel(problem)).max_throughput(relaxed)
 
 
@@ -602,7 +616,7 @@ def fastest_plan(
     reports "infeasible" with this throughput cannot contradict itself. `known`: a throughput some
     plan is known to reach (speeds the search up, same answer)."""
     if problem.runtime is not None:
-        return _enumerated_fastest(model or CostModel(problem))
+        return _runtime_fastest(model or CostModel(problem), known)
     search = _LevelSearch(model or CostModel(problem))
     bound = search.max_throughput(relaxed=True, known=known)
     theta_max = search.max_throughput(known=known, bound=bound) if bound > 0.0 else 0.0
@@ -615,8 +629,12 @@ def throughput_bounds(problem: Problem) -> tuple[float, float]:
     relaxed limits, the lower from provisioning the relaxed fastest plan's assignment exactly."""
     model = CostModel(problem)
     if problem.runtime is not None:
-        fastest = _enumerated_fastest(model)[0]
-        return fastest, fastest
+        from heterps_ray.scheduling.runtime_levels import RuntimeLevels
+
+        singles = [(t,) * model.num_layers for t in range(model.num_types) if model.runnable[:, t].all()]
+        runtime = RuntimeLevels(model)
+        lower = max((provision_counts(model, a).max_throughput for a in singles), default=0.0)
+        return lower, runtime.throughput_bound(max(lower, 1e-9))
     search = _LevelSearch(model)
     upper = search.max_throughput(relaxed=True)
     level = search.solve(upper, relaxed=True) if upper > 0.0 else None
@@ -630,7 +648,8 @@ def throughput_bounds(problem: Problem) -> tuple[float, float]:
 @register_scheduler("exact")
 class ExactScheduler(Scheduler):
     """The optimum. method: "auto" (brute force up to BRUTE_FORCE_LIMIT assignments, else the
-    level search), "levels" (any size) or "brute" (small problems only)."""
+    level search: DP levels for the base model, ILP levels with runtime terms), "levels" (any
+    size) or "brute" (small problems only). plan.extra["proof"] says what proves it optimal."""
 
     name = "exact"
 
@@ -641,24 +660,37 @@ class ExactScheduler(Scheduler):
 
     def schedule(self, problem: Problem) -> Plan:
         runtime = problem.runtime is not None
-        if runtime and self.method == "levels":
-            raise ConfigError(
-                None,
-                "method",
-                "auto or brute for a problem with runtime terms (the level search "
-                "covers the base model only)",
-                self.method,
-            )
-        use_brute = (
-            self.method == "brute"
-            or runtime
-            or (self.method == "auto" and count_assignments(problem) <= BRUTE_FORCE_LIMIT)
-        )
+        n = count_assignments(problem)
+        use_brute = self.method == "brute" or (self.method == "auto" and n <= BRUTE_FORCE_LIMIT)
         if use_brute:
             limit = RUNTIME_BRUTE_LIMIT if runtime else 1_000_000
             plan = brute_force(problem, scheduler=self.name, limit=limit)
-            return replace(plan, extra={**plan.extra, "method": "brute"})
+            proof = {"kind": "enumeration of every assignment, each provisioned exactly", "proven": True}
+            return replace(plan, extra={**plan.extra, "method": "brute", "proof": proof})
+        if runtime:
+            return runtime_plan(problem, scheduler=self.name)
         return replace(level_search(problem), scheduler=self.name)
+
+
+def runtime_plan(problem: Problem, scheduler: str = "exact", time_limit_s: float | None = None) -> Plan:
+    """The exact optimum of a problem with runtime terms by the ILP level walk, as a Plan whose
+    extra["proof"] says what proves it (runtime_levels.py)."""
+    from heterps_ray.scheduling.runtime_levels import runtime_level_search
+
+    started = time.perf_counter()
+    model = CostModel(problem)
+    assignment, counts, best_throughput, extra = runtime_level_search(problem, model, time_limit_s)
+    return plan_from_counts(
+        problem,
+        model,
+        assignment,
+        counts,
+        scheduler=scheduler,
+        seconds=time.perf_counter() - started,
+        plans_evaluated=int(extra["levels_solved"]),
+        best_throughput=best_throughput,
+        extra=extra,
+    )
 
 
 @register_scheduler("brute")

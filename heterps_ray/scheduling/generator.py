@@ -16,6 +16,7 @@ Example::
 
     problem = generate_problem(7, num_layers=(3, 30), num_types=(2, 5))
     big = generate_problem(7, num_layers=(20, 120), num_types=(3, 8), catalogue="wide")
+    true = with_runtime_section(big)   # the runtime terms as `heterps profile` writes them (§3b)
 """
 
 from __future__ import annotations
@@ -178,3 +179,30 @@ def _entry(name: str, out_bytes: int, rows: int, alpha: float, times: dict) -> d
             t: {"fixed": round(float(f), 4), "per_sample": round(float(p), 6)} for t, (f, p) in times.items()
         },
     }
+
+
+def with_runtime_section(
+    problem: Problem,
+    mode: str = "async",
+    micro_batches: int = 4,
+    ps_hosting: str = "actors",
+    cpu_call_ms: float = 2.0,
+    gpu_call_ms: float = 1.0,
+    ps_wait_ms_per_row: float = 0.0,
+    batches_ahead: int = 0,
+) -> Problem:
+    """`problem` with a `runtime` section (DESIGN.md §3b) as the profiler writes one for a production
+    cluster: async, 4 micro-batches, PS shards as actors, a call's round trip 2 ms on CPU types and
+    1 ms on GPUs (a type is a GPU when its `device` is cuda). The floor is kept."""
+    data = problem.to_dict()
+    data["runtime"] = {
+        "mode": mode,
+        "micro_batches": micro_batches,
+        "batches_ahead": batches_ahead if mode == "async" else 0,
+        "ps_hosting": ps_hosting,
+        "call_ms": {
+            r["name"]: gpu_call_ms if r.get("device") == "cuda" else cpu_call_ms for r in data["resources"]
+        },
+        "ps_wait_ms_per_row": ps_wait_ms_per_row,
+    }
+    return problem_from_dict(data)

@@ -1,0 +1,872 @@
+"""The exact optimum of a problem with runtime terms (DESIGN.md §3b): the level walk of exact.py with
+each level solved as a 0/1 program over stages (scipy.optimize.milp, HiGHS).
+
+Why the per-segment DP of the base model is not enough: the runtime terms couple the stages. A
+DataWorker waits for a micro-batch's round through every stage, so the loop's time is a *sum* over
+the stages (``loop = Σ busy_j + Σ waiting_j``, runtime_terms.py), and async DataWorkers (stage 0's
+replicas ``n``) scale it: ``Θ_loop = n · 1000 · B · in_flight / (K · loop)``. A shared host's cores
+are a second sum. For a target throughput X every term stays linear in the chosen stages:
+
+* a stage (segment i..j on type t) reaching X needs k(i,j,t,X) replicas (Amdahl, closed form);
+* the loop: ``Σ loop_s x_s ≤ (1000 · B · in_flight / (K · X)) · Σ_t n_t`` (async, n_t integer
+  DataWorkers of stage 0's type), or ``Σ loop_s x_s + (K - 1) · M ≤ 1000 · B / X`` with
+  ``M ≥ busy_s x_s`` (sync: GPipe's fill and drain);
+* a host: ``Σ host_s x_s ≤ 1000 · B · free cores / (K · X)`` less the shards' service;
+* max_instances per type, and stages of one type never adjacent (else they would be one stage).
+
+So the cheapest cost rate R*(X) of plans reaching X is a shortest path with linear side
+constraints: an ILP that HiGHS proves optimal (its dual bound is what the walk uses). With
+``ps_hosting: auto`` a plan of one replica everywhere hosts its shards in the DataWorker (priced
+differently): a level is the cheaper of the hosted program (every count 1) and the program on
+actor shards with at least one count of 2 (a replica added where the minimal counts are all 1).
+
+The walk over levels is exact.py's: X_0 = floor, the plan found at X_n reaches Θ_n >= X_n; the next
+level is above both Θ_n and R*(X_n) · N / 3600 / C (no plan between reaching X_n costs less than the
+best cost C found). Levels are skipped without an ILP where a DP lower bound on R*(X) (the per-stage
+counts alone, and a Lagrangian price of the loop at the DataWorkers' price) already proves it. It
+stops once R*(X) · N / 3600 / Θ_max >= C, with Θ_max an upper bound on every plan's throughput.
+Every plan found is re-provisioned exactly for its assignment (provisioning.py), which can only
+lower its cost. The plan records this proof in ``plan.extra["proof"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel.formulas import BYTES_PER_MS_PER_GBPS, FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.runtime_terms import call_ms
+from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
+
+_REACH_RTOL = 1e-12  # as provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
+_STEP_RTOL = 1e-9  # next level strictly above the last (relative); the fastest plan is proven to this
+_ROW_SLACK = 1e-12  # the ILP's loop and host rows relaxed by this (relative): float rounding only
+_SOLVER_RTOL = 1e-7  # a level whose ILP plan misses it within HiGHS' tolerances: the walk steps this far
+_HUGE = 1e12  # replicas standing in for "no count reaches the level"
+
+
+@dataclass
+class Proof:
+    """What the search proved, for plan.extra: every ILP's status and the bound that ended the walk."""
+
+    ilp_solves: int = 0
+    ilp_optimal: bool = True  # every ILP solved to proven optimality (or proven infeasible)
+    levels_bounded: int = 0  # levels skipped by the DP bound
+    levels_by_dp: int = 0  # levels solved by a DP candidate meeting the DP bound (no ILP)
+    bisection_steps: int = 0  # exact feasibility checks for the fastest plan
+    tolerance_steps: int = 0  # levels whose ILP plan missed them within HiGHS' tolerances (stepped 1e-7)
+    stop: str = ""
+    bound: float | None = None  # the lower bound on any plan's cost the walk ended with ($)
+    notes: list[str] = field(default_factory=list)
+
+    def to_extra(self, cost: float | None) -> dict[str, Any]:
+        proven = self.ilp_optimal and self.stop != "time limit"
+        return {
+            "kind": "level walk, levels solved by ILP (HiGHS)",
+            "proven": proven,
+            "ilp_solves": self.ilp_solves,
+            "ilp_all_optimal": self.ilp_optimal,
+            "levels_skipped_by_dp_bound": self.levels_bounded,
+            "levels_proven_by_dp": self.levels_by_dp,
+            "bisection_steps": self.bisection_steps,
+            "tolerance_steps": self.tolerance_steps,
+            "stop": self.stop,
+            "bound": self.bound,
+            "cost": cost,
+        }
+
+
+@dataclass(frozen=True)
+class _Level:
+    rate: float  # $/hour of the plan found
+    bound: float  # proven lower bound on R*(X) ($/hour)
+    assignment: tuple[int, ...]
+
+
+class RuntimeLevels:
+    """Per-segment runtime tables of one problem and the level ILP (see the module docstring)."""
+
+    def __init__(self, model: CostModel, time_limit_s: float | None = None):
+        problem, terms = model.problem, model.problem.runtime
+        if terms is None:
+            raise ValueError("RuntimeLevels needs a problem with a `runtime` section")
+        self.model, self.terms = model, terms
+        self.deadline = math.inf if time_limit_s is None else time.perf_counter() + time_limit_s
+        L, T = model.num_layers, model.num_types
+        self.L, self.T = L, T
+        B, K = model.batch_size, terms.micro_batches
+        self.B, self.K = B, K
+        self.sync = terms.mode == "sync"
+        self.auto = terms.ps_hosting == "auto"
+        b = B / K
+        types = problem.resources
+        runnable = model.runnable
+        per_layer = np.where(runnable, model.fixed_ms + model.per_sample_ms * b, 0.0)  # [L, T]
+        zero = np.zeros((1, T))
+        pre = np.concatenate([zero, np.cumsum(per_layer, axis=0)])
+        pre_bad = np.concatenate([np.zeros((1, T), int), np.cumsum(~runnable, axis=0)])
+        i = np.arange(L)[:, None, None]
+        j = np.arange(L)[None, :, None]
+        compute = pre[j[..., 0] + 1] - pre[i[..., 0]]  # [L, L, T]
+        bad = ((pre_bad[j[..., 0] + 1] - pre_bad[i[..., 0]]) > 0) | (j < i)
+        bw = np.array([r.bandwidth_gbps for r in types]) * BYTES_PER_MS_PER_GBPS  # bytes/ms
+        rt = np.array([call_ms(problem, terms, r.name) for r in types])
+        own = np.minimum(np.array([r.call_overhead_ms for r in types]), rt)
+        out = np.array([layer.out_bytes_per_sample for layer in problem.layers]) * b
+        calls = np.where(i == 0, 0, np.where(j == L - 1, 1, 2)) * np.ones((1, 1, T))
+        recv = np.where(i > 0, 2.0 * out[np.maximum(i - 1, 0)] / bw, 0.0)
+        send = np.where(j < L - 1, 2.0 * out[j] / bw, 0.0)
+        other = calls * own + recv + send
+        io = np.array([r.io_gbps for r in types]) * BYTES_PER_MS_PER_GBPS
+        first = np.where(i == 0, problem.input_bytes_per_sample * b / io, 0.0)
+        rows = model.rows_per_sample * b
+        self.calls = calls
+        self.compute = np.where(bad, np.inf, compute)
+        self.waiting = calls * (rt - own)
+        self.valid = ~bad
+        _, self.alpha = model.segment_tables()
+        self.busy = {}  # hosted (bool) -> busy ms per micro-batch [L, L, T]
+        for hosted in (False, True):
+            rate = terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row
+            ps_wait = np.where(i == 0, rows * rate, 0.0)
+            self.busy[hosted] = np.where(bad, np.inf, compute + other + first + ps_wait)
+        self.cap = model.max_instances.astype(np.int64)
+        self.price = model.price
+        self.ps_type = model.ps_type
+        # hosts: per host, the per-segment CPU ms per micro-batch, its free cores, the shards' service
+        self.hosts = []
+        for host in problem.hosts or ():
+            on = np.array([r.name in host.types for r in types])
+            threads = np.array([min(r.threads or 1, host.cores) for r in types])
+            call_cpu = host.call_cpu_ms if host.call_cpu_ms is not None else 0.0
+            per = {}
+            for hosted in (False, True):
+                work = compute * threads + (self.busy[hosted] - compute) + self.waiting + calls * call_cpu
+                per[hosted] = np.where(on[None, None, :] & ~bad, work, 0.0)
+            service = 0.0
+            if (
+                types[model.ps_type].name in host.types
+                and math.isfinite(model.ps_rows_per_second)
+                and model.rows_per_sample > 0
+            ):
+                service = model.rows_per_sample * B / K / model.ps_rows_per_second * MS_PER_S
+            self.hosts.append((per, host.cores - host.background_cores, service))
+        self.shards = np.arange(model.ps_min_shards, int(self.cap[model.ps_type]) + 1)
+        self.proof = Proof()
+        self.pool: dict[tuple[int, ...], float] = {}  # assignments seen -> the most each reaches
+        self._memo: tuple[float, tuple[float, list[tuple[int, ...]]]] | None = None
+
+    # -- per level tables ----------------------------------------------------------------------
+
+    def replicas(self, hosted: bool, target: float) -> np.ndarray:
+        """k(i,j,t): fewest replicas of each segment reaching `target` as a stage (_HUGE: none).
+        Sync: 1 where one replica reaches it (replicas add nothing there)."""
+        tau = self.K * self.busy[hosted]
+        reach = target * (1.0 - _REACH_RTOL)
+        if self.sync:
+            theta = _theta(self.B, tau, self.alpha, 1.0)
+            return np.where(self.valid & (theta >= reach), 1.0, _HUGE)
+        return _fewest(self.B, tau, self.alpha, self.valid, reach)
+
+    def ps_shards(self, hosted: bool, target: float) -> int | None:
+        """Shards for the level: the fewest reaching it (hosted: the fewest there are); None: none."""
+        model = self.model
+        if hosted or model.rows_per_sample <= 0.0:
+            return int(self.shards[0])
+        reach = target * (1.0 - _REACH_RTOL)
+        for m in self.shards:
+            if model.ps_throughput(int(m)) >= reach:
+                return int(m)
+        return None
+
+    def _cases(self) -> list[bool]:
+        """hosted flags a plan can have: auto hosts one-replica plans, actors never."""
+        return [False, True] if self.auto else [False]
+
+    def loop_budget(self, target: float) -> float:
+        """async: loop ms one DataWorker may take per micro-batch round; sync: ms per batch."""
+        if self.sync:
+            return MS_PER_S * self.B / target
+        return MS_PER_S * self.B * self.terms.in_flight / (self.K * target)
+
+    def host_budgets(self, hosted: bool, target: float) -> list[float]:
+        return [MS_PER_S * self.B * free / (self.K * target) - (0.0 if hosted else service)
+                for _, free, service in self.hosts]  # fmt: skip
+
+    # -- lower bounds (DP) ---------------------------------------------------------------------
+
+    def _case(self, hosted: bool, target: float) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(shards, limits left per type, k per segment, $/hour per segment) of one case at a level."""
+        m = self.ps_shards(hosted, target)
+        if m is None:
+            return None
+        cap = self.cap.copy()
+        cap[self.ps_type] -= m
+        k = self.replicas(hosted, target)
+        if hosted:
+            k = np.where(k <= 1.0, k, _HUGE)
+        rate = np.where(k <= cap[None, None, :], k * self.price, np.inf)
+        return m, cap, k, rate
+
+    def _weights(self, hosted: bool, target: float, rate: np.ndarray) -> list[np.ndarray]:
+        """Segment weights whose cheapest path through a segment bounds R from below: the counts
+        alone, and (async on actor shards) per stage-0 type t0 the loop priced at p_t0 per DataWorker
+        (R >= Σ_later k p + p_t0 · max(k_0, loop / c), c the loop one DataWorker may take)."""
+        if self.sync or hosted:
+            return [rate]
+        c = self.loop_budget(target)
+        loop = self.busy[hosted] + self.waiting
+        out = []
+        for t0 in range(self.T):
+            if not np.isfinite(rate[0, :, t0]).any():
+                continue
+            plain = rate.copy()
+            plain[0, :, :t0] = np.inf
+            plain[0, :, t0 + 1 :] = np.inf
+            mu = float(self.price[t0]) / c
+            priced = np.where(np.isfinite(plain), plain + mu * loop, np.inf)
+            priced[0, :, t0] = np.where(np.isfinite(plain[0, :, t0]), mu * loop[0, :, t0], np.inf)
+            out.append((plain, priced))
+        return out  # type: ignore[return-value]
+
+    def lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
+        """A lower bound on R*(target) ($/hour; inf: no plan reaches it) and the assignments of the
+        relaxations' optima (candidates)."""
+        if self._memo is not None and self._memo[0] == target:
+            return self._memo[1]
+        result = self._lower_bound(target)
+        self._memo = (target, result)
+        return result
+
+    def _lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
+        best, paths = math.inf, []
+        for hosted in self._cases():
+            case = self._case(hosted, target)
+            if case is None:
+                continue
+            m, _, _, rate = case
+            fixed = m * float(self.price[self.ps_type])
+            weights = self._weights(hosted, target, rate)
+            if self.sync or hosted:
+                value, path = _cheapest_path(rate)
+                if path is not None:
+                    paths.append(_assignment(path))
+                best = min(best, value + fixed)
+                continue
+            for plain, priced in weights:  # type: ignore[misc]
+                v0, p0 = _cheapest_path(plain)
+                v1, p1 = _cheapest_path(priced)
+                paths += [_assignment(p) for p in (p0, p1) if p is not None]
+                best = min(best, max(v0, v1) + fixed)
+        return best, list(dict.fromkeys(paths))
+
+    def _through(self, hosted: bool, target: float, rate: np.ndarray) -> np.ndarray:
+        """Per segment, a lower bound on the $/hour (shards excluded) of any plan using it."""
+        weights = self._weights(hosted, target, rate)
+        if self.sync or hosted:
+            return _through(rate)
+        out = np.full(rate.shape, np.inf)
+        for plain, priced in weights:  # type: ignore[misc]
+            out = np.minimum(out, np.maximum(_through(plain), _through(priced)))
+        return out
+
+    def _heuristic(
+        self, target: float, scale: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 64.0)
+    ) -> list[tuple[int, ...]]:
+        """Assignments of the DP with the loop (and the hosts' CPU) priced ever higher: plans that
+        keep within the loop's budget, as upper bounds for a level's ILP."""
+        out = []
+        for hosted in self._cases():
+            case = self._case(hosted, target)
+            if case is None:
+                continue
+            _, _, _, rate = case
+            loop = self.busy[hosted] + self.waiting
+            weight = loop / self.loop_budget(target)
+            for per, _, _ in self.hosts:
+                weight = weight + per[hosted] / max(self.host_budgets(hosted, target)[0], 1e-12)
+            unit = float(self.price.max())
+            for f in scale:
+                _, path = _cheapest_path(np.where(np.isfinite(rate), rate + f * unit * weight, np.inf))
+                if path is not None:
+                    out.append(_assignment(path))
+        return list(dict.fromkeys(out))
+
+    def remember(self, assignment: tuple[int, ...], reached: float, size: int = 24) -> None:
+        """Keep an assignment as a candidate for the levels it reaches (the `size` fastest seen)."""
+        self.pool[assignment] = reached
+        if len(self.pool) > size:
+            del self.pool[min(self.pool, key=lambda a: self.pool[a])]
+
+    def rate_at(self, assignment: tuple[int, ...], target: float) -> float:
+        """The fewest $/hour at which `assignment` reaches `target` within max_instances (inf: never)."""
+        model = self.model
+        reach = target * (1.0 - _REACH_RTOL)
+        stages = model.stage_times(list(assignment))
+        best = math.inf
+        m = self.ps_shards(False, target)
+        if m is not None:
+            tables, ceiling = model.throughput_tables(stages, [int(self.cap[s.type]) for s in stages])
+            if ceiling >= reach:
+                counts = [int(np.searchsorted(table, reach, side="left")) + 1 for table in tables]
+                if all(k <= len(table) for k, table in zip(counts, tables, strict=True)):
+                    if self.auto and all(k == 1 for k in counts):  # one more replica: the shards on actors
+                        j = min(range(len(stages)), key=lambda s: float(self.price[stages[s].type]))
+                        counts[j] += 1
+                    ev = model.evaluate(list(assignment), counts, m)
+                    if ev.available and ev.throughput >= reach:
+                        best = ev.cost_rate
+        if self.auto:
+            ev = model.evaluate(list(assignment), [1] * len(stages), int(self.shards[0]))
+            if ev.available and ev.throughput >= reach:
+                best = min(best, ev.cost_rate)
+        return best
+
+    def reachable(self, target: float) -> bool:
+        """A relaxation of "some plan reaches `target`": each stage within its type's limit, the
+        fewest-ms loop with the most DataWorkers any type has, each host's fewest-ms path."""
+        for hosted in self._cases():
+            m = self.ps_shards(hosted, target)
+            if m is None:
+                continue
+            cap = self.cap.copy()
+            cap[self.ps_type] -= m
+            k = self.replicas(hosted, target)
+            if hosted:
+                k = np.where(k <= 1.0, k, _HUGE)
+            ok = k <= cap[None, None, :]
+            if not ok[0].any():
+                continue
+            loop = np.where(ok, self.busy[hosted] + self.waiting, np.inf)
+            workers = 1.0 if (self.sync or hosted) else float(cap[np.flatnonzero(ok[0].any(axis=0))].max())
+            if _cheapest_path(loop)[0] > workers * self.loop_budget(target) * (1.0 + _ROW_SLACK):
+                continue
+            fits = True
+            for (per, _, _), limit in zip(self.hosts, self.host_budgets(hosted, target), strict=True):
+                if _cheapest_path(np.where(ok, per[hosted], np.inf))[0] > limit * (1.0 + _ROW_SLACK):
+                    fits = False
+                    break
+            if fits:
+                return True
+        return False
+
+    # -- one level exactly (ILP) ---------------------------------------------------------------
+
+    def solve(self, target: float, objective: bool = True) -> _Level | None:
+        """The cheapest plan reaching `target` (None: none does): proven by the DP bound where a
+        candidate's rate meets it, else by HiGHS over the segments the bounds cannot exclude.
+        `objective` False: any plan reaching it (a feasibility check)."""
+        lb, paths = self.lower_bound(target)
+        if not math.isfinite(lb):
+            return None
+        upper, incumbent = math.inf, None
+        known = [a for a, reached in self.pool.items() if reached >= target * (1.0 - _REACH_RTOL)]
+        for assignment in dict.fromkeys(paths + known):
+            rate = self.rate_at(assignment, target)
+            if rate < upper:
+                upper, incumbent = rate, assignment
+        if incumbent is not None and (not objective or upper <= lb * (1.0 + 1e-12)):
+            self.proof.levels_by_dp += 1
+            return _Level(upper, lb if objective else upper, incumbent)
+        for assignment in self._heuristic(target):  # plans whose loop is priced higher: an upper bound
+            rate = self.rate_at(assignment, target)
+            if rate < upper:
+                upper, incumbent = rate, assignment
+        best: _Level | None = None
+        for hosted in self._cases():
+            level = self._solve_case(hosted, target, objective, upper)
+            if level is None:
+                continue
+            if best is None or level.rate < best.rate:
+                best = level
+            if not objective:
+                break
+        if incumbent is not None and (best is None or upper <= best.rate):
+            # no plan below `upper` (the ILPs over every segment such a plan could use): it is optimal
+            return _Level(upper, upper if best is None else min(upper, best.bound), incumbent)
+        return best
+
+    def _solve_case(self, hosted: bool, target: float, objective: bool, upper: float) -> _Level | None:
+        """One case's ILP over the segments through which a plan may cost less than `upper`."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
+        case = self._case(hosted, target)
+        if case is None:
+            return None
+        m, cap, k, rate = case
+        L, T = self.L, self.T
+        loop = self.busy[hosted] + self.waiting
+        budget = self.loop_budget(target)
+        allowed = self.valid & np.isfinite(rate)
+        if objective and math.isfinite(upper):
+            fixed = m * float(self.price[self.ps_type])
+            allowed &= self._through(hosted, target, rate) + fixed < upper * (1.0 - 1e-12)
+        if self.sync:
+            allowed &= self.K * self.busy[hosted] <= budget * (1.0 + _ROW_SLACK)
+        # a first stage's DataWorkers may be raised to the limit (the loop): any count <= cap is fine
+        ii, jj, tt = np.nonzero(allowed)
+        if not (ii == 0).any() or not (jj == L - 1).any():
+            return None
+        n_seg = len(ii)
+        kk = k[ii, jj, tt]
+        first = ii == 0
+        asynchronous = not self.sync and not hosted
+        # variables: segments, then n_t (async on actor shards: DataWorkers per type), then bump y_t
+        # and v (auto on actor shards: a replica beyond the minimal counts), then M (sync, K > 1)
+        cols: dict[str, int] = {}
+        n_var = n_seg
+        if asynchronous:
+            cols["n"] = n_var
+            n_var += T
+        bump = self.auto and not hosted
+        if bump:
+            cols["y"] = n_var
+            n_var += T
+            if asynchronous:
+                cols["v"] = n_var
+                n_var += 1
+        if self.sync and self.K > 1:
+            cols["M"] = n_var
+            n_var += 1
+        r_i: list[np.ndarray] = []
+        r_j: list[np.ndarray] = []
+        r_v: list[np.ndarray] = []
+        lo: list[float] = []
+        hi: list[float] = []
+
+        def add(rows: Any, cols_: Any, vals: Any) -> None:
+            r_i.append(np.asarray(rows, dtype=np.int64))
+            r_j.append(np.asarray(cols_, dtype=np.int64))
+            r_v.append(np.asarray(vals, dtype=np.float64))
+
+        seg = np.arange(n_seg)
+        row = 0
+        # one stage starts at layer 0; a stage ending at b - 1 is followed by one starting at b
+        add(np.full(int(first.sum()), row), seg[first], np.ones(int(first.sum())))
+        lo.append(1.0)
+        hi.append(1.0)
+        row += 1
+        flow_row = row + np.arange(L - 1)  # boundary b = 1..L-1 -> row + b - 1
+        ends = jj < L - 1
+        add(flow_row[jj[ends]], seg[ends], np.ones(int(ends.sum())))
+        starts = ii > 0
+        add(flow_row[ii[starts] - 1], seg[starts], -np.ones(int(starts.sum())))
+        lo += [0.0] * (L - 1)
+        hi += [0.0] * (L - 1)
+        row += L - 1
+        # neighbours differ in type: per boundary and type, at most one of (ends there, starts there)
+        alt_row = row + (np.arange(L - 1)[:, None] * T + np.arange(T)[None, :])  # [L-1, T]
+        add(alt_row[jj[ends], tt[ends]], seg[ends], np.ones(int(ends.sum())))
+        add(alt_row[ii[starts] - 1, tt[starts]], seg[starts], np.ones(int(starts.sum())))
+        lo += [-np.inf] * ((L - 1) * T)
+        hi += [1.0] * ((L - 1) * T)
+        row += (L - 1) * T
+        # max_instances per type
+        cap_row = row + tt
+        if asynchronous:
+            later = ~first
+            add(cap_row[later], seg[later], kk[later])
+            add(row + np.arange(T), cols["n"] + np.arange(T), np.ones(T))
+        else:
+            add(cap_row, seg, kk)
+        if bump:
+            add(row + np.arange(T), cols["y"] + np.arange(T), np.ones(T))
+        lo += [-np.inf] * T
+        hi += [float(c) for c in cap]
+        row += T
+        if asynchronous:
+            # n_t >= k_0 x (first stage on t) and n_t <= cap_t x; the loop: Σ loop x <= budget Σ n
+            f = seg[first]
+            add(row + tt[f], f, -kk[f])
+            add(row + np.arange(T), cols["n"] + np.arange(T), np.ones(T))
+            lo += [0.0] * T
+            hi += [np.inf] * T
+            row += T
+            add(row + tt[f], f, -cap[tt[f]].astype(np.float64))
+            add(row + np.arange(T), cols["n"] + np.arange(T), np.ones(T))
+            lo += [-np.inf] * T
+            hi += [0.0] * T
+            row += T
+            add(np.full(n_seg, row), seg, loop[ii, jj, tt])
+            add(np.full(T, row), cols["n"] + np.arange(T), np.full(T, -budget * (1.0 + _ROW_SLACK)))
+            lo.append(-np.inf)
+            hi.append(0.0)
+            row += 1
+        else:
+            # sync (or hosted: one DataWorker): the loop of one DataWorker within the budget
+            add(np.full(n_seg, row), seg, loop[ii, jj, tt])
+            if "M" in cols:
+                add([row], [cols["M"]], [float(self.K - 1)])
+            lo.append(-np.inf)
+            hi.append(budget * (1.0 + _ROW_SLACK))
+            row += 1
+            if "M" in cols:  # M >= busy of every chosen stage
+                add(row + seg, seg, self.busy[hosted][ii, jj, tt])
+                add(row + seg, np.full(n_seg, cols["M"]), -np.ones(n_seg))
+                lo += [-np.inf] * n_seg
+                hi += [0.0] * n_seg
+                row += n_seg
+        for (per, _, _), limit in zip(self.hosts, self.host_budgets(hosted, target), strict=True):
+            if limit < 0:
+                return None
+            add(np.full(n_seg, row), seg, per[hosted][ii, jj, tt])
+            lo.append(-np.inf)
+            hi.append(limit * (1.0 + _ROW_SLACK))
+            row += 1
+        if bump:
+            # y_t only where a stage on t can take it; some count is at least 2
+            on_t = seg if not asynchronous else seg[~first]
+            add(row + tt[on_t], on_t, -np.ones(len(on_t)))
+            add(row + np.arange(T), cols["y"] + np.arange(T), np.ones(T))
+            lo += [-np.inf] * T
+            hi += [0.0] * T
+            row += T
+            two = seg[(kk >= 2) & ~first] if asynchronous else seg[kk >= 2]
+            add(np.full(len(two), row), two, np.ones(len(two)))
+            add(np.full(T, row), cols["y"] + np.arange(T), np.ones(T))
+            if asynchronous:
+                add([row], [cols["v"]], [1.0])
+            lo.append(1.0)
+            hi.append(np.inf)
+            row += 1
+            if asynchronous:  # v <= Σ n - 1: a second DataWorker
+                add([row], [cols["v"]], [1.0])
+                add(np.full(T, row), cols["n"] + np.arange(T), -np.ones(T))
+                lo.append(-np.inf)
+                hi.append(-1.0)
+                row += 1
+        A = coo_matrix(
+            (np.concatenate(r_v), (np.concatenate(r_i), np.concatenate(r_j))), shape=(row, n_var)
+        ).tocsr()
+        price = self.price
+        c = np.zeros(n_var)
+        if asynchronous:
+            c[:n_seg] = np.where(first, 0.0, kk * price[tt])
+            c[cols["n"] : cols["n"] + T] = price
+        else:
+            c[:n_seg] = kk * price[tt]
+        if bump:
+            c[cols["y"] : cols["y"] + T] = price
+        integrality = np.ones(n_var)
+        var_lo = np.zeros(n_var)
+        var_hi = np.ones(n_var)
+        if asynchronous:
+            var_hi[cols["n"] : cols["n"] + T] = cap
+        if "M" in cols:
+            integrality[cols["M"]] = 0
+            var_hi[cols["M"]] = np.inf
+        # HiGHS' presolve probing and sub-MIP heuristics cost most of the time on these programs (measured
+        # 48 s -> 12 s on a 5,000-segment level); the DP gives the incumbent bound instead
+        options: dict[str, Any] = {
+            "mip_rel_gap": 0.0,
+            "presolve": False,
+            "mip_heuristic_run_rins": False,
+            "mip_heuristic_run_rens": False,
+            "mip_heuristic_run_root_reduced_cost": False,
+        }
+        left = self.deadline - time.perf_counter()
+        if math.isfinite(left):
+            options["time_limit"] = max(left, 0.1)
+        self.proof.ilp_solves += 1
+        with warnings.catch_warnings():  # scipy warns of HiGHS options it does not list, and passes them on
+            warnings.simplefilter("ignore")
+            result = milp(
+                c=c if objective else np.zeros(n_var),
+                constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
+                integrality=integrality,
+                bounds=Bounds(var_lo, var_hi),
+                options=options,
+            )
+        if result.status == 2:  # proven infeasible
+            return None
+        if result.status != 0 or result.x is None:
+            self.proof.ilp_optimal = False
+            self.proof.notes.append(f"ILP at {target:.6g} samples/s: {result.message}")
+            if result.x is None:
+                return None
+        x = result.x
+        chosen = np.flatnonzero(x[:n_seg] > 0.5)
+        path = sorted((int(ii[s]), int(jj[s]), int(tt[s])) for s in chosen)
+        if not objective:
+            return _Level(math.nan, -math.inf, _assignment(path))
+        found = float(c @ np.round(x))
+        fixed = m * float(price[self.ps_type])
+        dual = getattr(result, "mip_dual_bound", None)
+        proven = found if dual is None or not math.isfinite(dual) else min(found, float(dual))
+        return _Level(found + fixed, proven + fixed, _assignment(path))
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def throughput_bound(self, known: float, rtol: float = 1e-4) -> float:
+        """An upper bound on every plan's throughput (no plan reaches it: `reachable` fails there),
+        from a throughput `known` to be reached (> 0)."""
+        lo = known
+        hi = max(known, 1e-9) * 2.0
+        while self.reachable(hi):
+            lo, hi = hi, hi * 2.0
+            if hi > 1e15:
+                return math.inf
+        while hi > lo * (1.0 + rtol):
+            mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
+            if self.reachable(mid):
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def fastest(self, known: float, bound: float) -> tuple[float, tuple[int, ...] | None]:
+        """The highest throughput any plan reaches (proven to 1e-9: no plan reaches 1e-9 above it) and
+        a plan reaching it; `known`: reached by some plan, `bound`: an upper bound."""
+        model = self.model
+        lo, best = known, None
+        hi = bound
+        while hi > lo * (1.0 + _STEP_RTOL) and hi > 0:
+            if time.perf_counter() > self.deadline:
+                self.proof.stop = "time limit"
+                break
+            mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
+            self.proof.bisection_steps += 1
+            level = self.solve(mid * (1.0 - _REACH_RTOL), objective=False)
+            if level is None:
+                hi = mid
+                continue
+            reached = provision_counts(model, level.assignment).max_throughput
+            if reached < mid * (1.0 - _REACH_RTOL):  # within the solver's tolerance only: not reached
+                hi = mid
+                continue
+            lo, best = max(lo, reached), level.assignment
+        return lo, best
+
+    def cheapest(
+        self, floor: float, seeds: list[tuple[int, ...]]
+    ) -> tuple[tuple[tuple[int, ...], Provisioned] | None, float]:
+        """(the cheapest plan at or above `floor`, or None; the throughput bound used)."""
+        model = self.model
+        best: tuple[tuple[int, ...], Provisioned] | None = None
+        known = 0.0
+
+        def consider(assignment: tuple[int, ...] | None) -> None:
+            nonlocal best, known
+            if assignment is None:
+                return
+            counts = provision_counts(model, assignment)
+            known = max(known, counts.max_throughput)
+            self.remember(assignment, counts.max_throughput)
+            if counts.feasible and (best is None or counts.cost < best[1].cost):
+                best = (assignment, counts)
+
+        for assignment in seeds:
+            consider(assignment)
+        target = max(floor * (1.0 - FLOOR_RTOL), 0.0)
+        lb, paths = self.lower_bound(max(target, 1e-300))
+        for assignment in paths:
+            consider(assignment)
+        if not math.isfinite(lb):
+            self.proof.stop = "no plan reaches the floor (DP bound)"
+            return best, known
+        theta_max = self.throughput_bound(max(known, target, 1e-9))
+        to_cost = model.samples / S_PER_HOUR
+        while target <= theta_max * (1.0 + _STEP_RTOL):
+            if time.perf_counter() > self.deadline:
+                self.proof.stop = "time limit"
+                return best, theta_max
+            lb, paths = self.lower_bound(max(target, 1e-300))
+            if not math.isfinite(lb):
+                self.proof.stop = "no plan reaches the level (DP bound)"
+                break
+            for assignment in paths:
+                consider(assignment)
+            if best is not None:
+                if lb * to_cost / theta_max >= best[1].cost:
+                    self.proof.stop = "DP bound at the level / max throughput >= cost"
+                    self.proof.bound = lb * to_cost / theta_max
+                    break
+                skip_to = lb * to_cost / best[1].cost
+                if skip_to > target * (1.0 + _STEP_RTOL):
+                    self.proof.levels_bounded += 1
+                    target = skip_to
+                    continue
+            level = self.solve(max(target, 1e-300))
+            if level is None:
+                self.proof.stop = "no plan reaches the level (ILP infeasible)"
+                break
+            consider(level.assignment)
+            reached = provision_counts(model, level.assignment).max_throughput
+            if best is not None and level.bound * to_cost / theta_max >= best[1].cost:
+                self.proof.stop = "ILP bound at the level / max throughput >= cost"
+                self.proof.bound = level.bound * to_cost / theta_max
+                break
+            if math.isinf(reached):
+                self.proof.stop = "unbounded throughput"
+                break
+            nxt = reached
+            if best is not None:
+                nxt = max(nxt, level.bound * to_cost / best[1].cost)
+            if nxt < target:  # the ILP's plan misses the level within the solver's tolerances
+                self.proof.tolerance_steps += 1
+                nxt = target * (1.0 + _SOLVER_RTOL)
+            target = nxt * (1.0 + _STEP_RTOL)
+        else:
+            self.proof.stop = "level above the max throughput bound"
+        return best, theta_max
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _theta(batch: float, tau: np.ndarray, alpha: np.ndarray, k: Any) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        theta = MS_PER_S * batch / tau / ((1.0 - alpha) + alpha / k)
+    return np.where(tau <= 0.0, np.inf, theta)
+
+
+def _fewest(batch: float, tau: np.ndarray, alpha: np.ndarray, valid: np.ndarray, reach: float) -> np.ndarray:
+    """Fewest replicas k with theta(k) >= reach, per entry (_HUGE where none); the closed form of
+    Amdahl's law corrected against the formula itself."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = MS_PER_S * batch / (tau * reach)
+        slack = r - (1.0 - alpha)
+        k = np.where(alpha > 0.0, np.ceil(alpha / slack), 1.0)
+        k = np.where((slack > 0.0) & valid, np.maximum(k, 1.0), _HUGE)
+        k = np.minimum(k, _HUGE)
+        for _ in range(2):
+            down = np.maximum(k - 1.0, 1.0)
+            k = np.where((down < k) & (_theta(batch, tau, alpha, down) >= reach), down, k)
+            k = np.where((k < _HUGE) & (_theta(batch, tau, alpha, k) < reach), k + 1.0, k)
+    return np.where(valid, k, _HUGE)
+
+
+def _excluding(best: np.ndarray) -> np.ndarray:
+    """out[..., t] = min over t' != t of best[..., t']."""
+    T = best.shape[-1]
+    if T == 1:
+        return np.full_like(best, np.inf)
+    order = np.argsort(best, axis=-1)
+    first = np.take_along_axis(best, order[..., :1], axis=-1)
+    second = np.take_along_axis(best, order[..., 1:2], axis=-1)
+    return np.where(order[..., :1] == np.arange(T), second, first)
+
+
+def _suffix(rate: np.ndarray) -> np.ndarray:
+    """suffix[i, t]: cheapest chain of segments covering layers i..L-1 whose first stage is on t
+    (adjacent types differ); row L is 0 (nothing left)."""
+    L, _, T = rate.shape
+    out = np.full((L + 1, T), np.inf)
+    out[L] = 0.0
+    after = np.full((L + 1, T), np.inf)  # after[j + 1, t]: best continuation after a stage on t ending at j
+    after[L] = 0.0
+    for i in range(L - 1, -1, -1):
+        out[i] = (rate[i, i:, :] + after[i + 1 :, :]).min(axis=0)
+        after[i] = _excluding(out[i][None, :])[0]
+    return out
+
+
+def _prefix_value(first: np.ndarray, t0: int, suffix: np.ndarray) -> float:
+    """min over j of first[j] (a first stage 0..j on t0) + the cheapest rest from j + 1 on another type."""
+    L = len(first)
+    rest = np.delete(suffix[1 : L + 1], t0, axis=1).min(axis=1) if suffix.shape[1] > 1 else np.full(L, np.inf)
+    rest[L - 1] = 0.0
+    return float((first + rest).min())
+
+
+def _cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
+    """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
+    L, _, T = rate.shape
+    best = np.full((L, T), np.inf)
+    came_from = np.zeros((L, T), dtype=np.int64)
+    prev_type = np.full((L, T), -1, dtype=np.int64)
+    types = np.arange(T)
+    for j in range(L):
+        best[j] = rate[0, j]
+        if j == 0:
+            continue
+        prev = best[:j]
+        if T > 1:
+            order = np.argsort(prev, axis=1)
+            excl_type = np.where(order[:, :1] == types[None, :], order[:, 1:2], order[:, :1])
+            excl = np.take_along_axis(prev, excl_type, axis=1)
+        else:
+            excl_type = np.zeros((j, 1), dtype=np.int64)
+            excl = np.full((j, 1), np.inf)
+        total = excl + rate[1 : j + 1, j]
+        i_best = np.argmin(total, axis=0)
+        value = total[i_best, types]
+        better = value < best[j]
+        best[j] = np.where(better, value, best[j])
+        came_from[j] = np.where(better, i_best + 1, 0)
+        prev_type[j] = np.where(better, excl_type[i_best, types], -1)
+    t = int(np.argmin(best[L - 1]))
+    value = float(best[L - 1, t])
+    if not math.isfinite(value):
+        return math.inf, None
+    path, j = [], L - 1
+    while j >= 0:
+        i = int(came_from[j, t])
+        path.append((i, j, t))
+        t, j = int(prev_type[j, t]), i - 1
+    return value, path[::-1]
+
+
+def _prefix(rate: np.ndarray) -> np.ndarray:
+    """prefix[j, t]: cheapest chain covering layers 0..j whose last stage (on t) ends at j."""
+    L, _, T = rate.shape
+    best = np.full((L, T), np.inf)
+    for j in range(L):
+        best[j] = rate[0, j]
+        if j:
+            best[j] = np.minimum(best[j], (_excluding(best[:j]) + rate[1 : j + 1, j]).min(axis=0))
+    return best
+
+
+def _through(rate: np.ndarray) -> np.ndarray:
+    """Per segment (i, j, t): the cheapest chain covering every layer that uses it."""
+    L, _, T = rate.shape
+    before = np.vstack([np.zeros((1, T)), _excluding(_prefix(rate))])  # row i: the chain 0..i-1
+    after = _excluding(_suffix(rate))  # row j + 1: the chain j+1..L-1 (row L: 0)
+    after[L] = 0.0
+    i = np.arange(L)
+    return before[i][:, None, :] + rate + after[i + 1][None, :, :]
+
+
+def _assignment(path: list[tuple[int, int, int]]) -> tuple[int, ...]:
+    out: list[int] = []
+    for i, j, t in path:
+        out += [t] * (j - i + 1)
+    return tuple(out)
+
+
+def runtime_level_search(
+    problem: Problem, model: CostModel | None = None, time_limit_s: float | None = None
+) -> tuple[tuple[int, ...], Provisioned, float | None, dict[str, Any]]:
+    """The exact optimum of a problem with runtime terms: (assignment, its counts, the highest
+    throughput any plan reaches when no plan meets the floor (else None), plan.extra's notes)."""
+    model = model or CostModel(problem)
+    search = RuntimeLevels(model, time_limit_s)
+    seeds = [(t,) * model.num_layers for t in range(model.num_types) if model.runnable[:, t].all()]
+    found, theta_bound = search.cheapest(model.floor, seeds)
+    best_throughput = None
+    if found is None:
+        known, fastest = 0.0, None
+        for assignment in seeds:
+            most = provision_counts(model, assignment).max_throughput
+            if most > known:
+                known, fastest = most, assignment
+        bound = search.throughput_bound(max(known, 1e-9))
+        best_throughput, reaching = search.fastest(known, bound)
+        chosen = reaching or fastest or tuple(int(np.argmax(r)) for r in model.runnable)
+        found = (chosen, provision_counts(model, chosen))
+        search.proof.stop = search.proof.stop or "no plan meets the floor; fastest plan bisected"
+    extra = {
+        "method": "levels+ilp",
+        "levels_solved": search.proof.ilp_solves,
+        "proof": search.proof.to_extra(found[1].cost if found[1].feasible else None),
+    }
+    return found[0], found[1], best_throughput, extra
