@@ -208,11 +208,11 @@ def test_job_table_settings_become_the_table_spec_and_are_off_by_default():
     plain = sparse_spec(job, dim=9, init_scale=0.01)
     assert (plain.admit_after, plain.ttl, plain.max_rows) == (1, 0, 0)
     assert plain.lr == job.optimizer.sparse_lr and plain.seed == job.seed
-    settings = TableConfig.model_construct(admit_after=3, ttl_batches=500, max_shard_mb=64.0, evict="lfu")
+    settings = TableConfig(admit_after=3, ttl_batches=500, max_shard_mb=64.0, evict="lfu")
     spec = sparse_spec(job.model_copy(update={"table": settings}), dim=9, init_scale=0.01)
     assert (spec.admit_after, spec.ttl, spec.evict) == (3, 500, "lfu")
     # 64 MiB over rows of 88 B (key, weights, accumulators, counters), the index and waiting keys
     assert spec.max_rows == max_rows_for(64 * 2**20, 9, admit_after=3)
     assert 64 * 2**20 / (88 + 11 + 16 + 11) < spec.max_rows < 64 * 2**20 / 88
-    with pytest.raises(ValueError, match="not wired"):  # until the runtime passes them on
-        TableConfig(admit_after=2)
+    with pytest.raises(ValueError, match="admit_after"):
+        TableConfig(admit_after=0)
