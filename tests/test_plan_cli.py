@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import cloud_problem_with_runtime_terms
+from helpers import TINY_MODEL, cloud_problem_with_runtime_terms
 
 from heterps_ray.cli import main
 from heterps_ray.costmodel import Plan, load_plan, load_problem
@@ -113,6 +113,54 @@ def test_plan_missing_a_field_is_rejected(plan, tmp_path):
     with pytest.raises(ConfigError) as info:
         load_plan(_edited(plan, tmp_path, lambda d: d.pop("ps_shards")))
     assert info.value.field == "ps_shards"
+
+
+# -- the plans shipped in configs/plans/, each against the job and model it is meant for -------------
+
+PLANS = REPO / "configs" / "plans"
+# the small model the tests train (TINY_MODEL: layers embedding, fc1, fc2, logit); the plans written
+# for it say so in their "problem" field
+SMALL_MODEL = ("ctr_dnn hidden [32, 16]", TINY_MODEL)
+
+
+def _job_for_plan(path: Path):
+    """The job a shipped plan is meant for: the job of configs/jobs/ its "problem" field names (or
+    that job on the tests' small model), in async mode for an async plan (its name says so)."""
+    from heterps_ray.config import load_job
+
+    meant = json.loads(path.read_text())["problem"]
+    jobs = {load_job(p).name: p for p in sorted((REPO / "configs" / "jobs").glob("*.yaml"))}
+    overrides = {"mode": "async"} if "async" in path.stem else {}
+    if meant in jobs:
+        return load_job(jobs[meant], overrides)
+    if meant == SMALL_MODEL[0]:
+        return load_job(jobs["quickstart"], {**overrides, "model": SMALL_MODEL[1]})
+    known = [*sorted(jobs), SMALL_MODEL[0]]
+    pytest.fail(f"{path.name}: meant for {meant!r}, not a job of configs/jobs/ nor the small model: {known}")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PLANS.glob("*.json")))
+def test_every_shipped_plan_loads_and_resolves_against_its_model(name):
+    from heterps_ray.models import build_model
+    from heterps_ray.runtime.pipeline import check_capacity, resolve_stages
+
+    path = PLANS / name
+    job = _job_for_plan(path)
+    plan = load_plan(path)
+    model = build_model(job.model)
+    stages = resolve_stages(plan, model, job, str(path))  # what `heterps train --plan` checks first
+    check_capacity(stages, job.runtime.ps_shards or int(plan.ps_shards), job.cluster, str(path))
+    assert [layer for s in stages for layer in s.layers] == [layer.name for layer in model.layers]
+    assert [s.type for s in stages] == [s.type for s in plan.stages]
+    assert plan.ps_shards >= job.cluster.ps.min_shards and plan.ps_type in (None, job.cluster.ps_resource)
+    assert plan.feasible and (job.mode == "async") == any(s.replicas > 1 for s in plan.stages)
+
+
+def test_shipped_plan_lookup_refuses_a_plan_meant_for_no_job(tmp_path):
+    stray = tmp_path / "stray.json"
+    stray.write_text(json.dumps({**json.loads((PLANS / "quickstart.json").read_text()), "problem": "deepfm"}))
+    with pytest.raises(pytest.fail.Exception, match="meant for 'deepfm'"):
+        _job_for_plan(stray)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -248,11 +296,18 @@ def test_heterps_plan_rl_plans_a_cluster_of_nine_types(tmp_path, capsys):
     )
     path = tmp_path / "nine.yaml"
     path.write_text(yaml.safe_dump(problem.to_dict()))
-    code = main(["plan", "--problem", str(path)])  # the default scheduler: rl, zero-shot
+    greedy = get_scheduler("greedy").schedule(load_problem(path))
+    assert greedy.feasible  # a plan meets the floor, so rl must find one (exact's optimum: 42.37 $)
+    out_file = tmp_path / "plan.json"
+    code = main(["plan", "--problem", str(path), "--output", str(out_file)])  # the default: rl, zero-shot
     out = capsys.readouterr()
-    assert code in (0, 3) and "Traceback" not in out.err
-    assert "plan by rl" in out.out
-    assert (code == 0) == get_scheduler("exact").schedule(load_problem(path)).feasible
+    assert code == 0, out.err
+    assert "plan by rl" in out.out and "Traceback" not in out.err
+    plan = load_plan(out_file, load_problem(path))
+    assert plan.scheduler == "rl" and plan.feasible and plan.throughput >= problem.throughput_min
+    for t in problem.types_running_all_layers():  # never worse than a single type's plan that meets it
+        single = provision(problem, [t] * problem.num_layers)
+        assert not single.feasible or plan.cost <= single.cost * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("flag", ["--budget-s", "--finetune-s"])

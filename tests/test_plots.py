@@ -136,7 +136,7 @@ def test_plot_commands_write_their_pngs(comparison, tmp_path, capsys):
     assert pd.read_parquet(tmp_path / "f.parquet")["exact_feasible"].any()
 
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--problem", str(problem), "--output", str(plan)]) in (0, 3)
+    assert main(["plan", "--problem", str(problem), "--output", str(plan)]) == 0  # a plan meets its floor
     assert (
         main(
             [

@@ -90,6 +90,22 @@ def _write_job(folder: Path) -> Path:
     return path
 
 
+def _assert_trains_like_the_reference(job_file: Path, summary: dict, report: dict) -> None:
+    from heterps_ray.config import load_job
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.models import build_model
+    from heterps_ray.runtime.reference import ReferenceTrainer
+
+    job = load_job(job_file)
+    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+    history = trainer.fit(Dataset(job.data.path), job.batch_size, steps=summary["steps"], progress=False)
+    reference = trainer.evaluate(Dataset(job.data.path).load("eval"))
+    assert summary["losses"] == pytest.approx(history["loss"], abs=1e-4)
+    assert (report["auc"], report["logloss"]) == pytest.approx((summary["auc"], summary["logloss"]))
+    assert abs(report["auc"] - reference["auc"]) < 1e-3, (report["auc"], reference["auc"])
+    assert abs(report["logloss"] - reference["logloss"]) < 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
@@ -145,12 +161,20 @@ def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
         # Outputs are written on the head node, this machine: collect them from output_dir.
         report = json.loads((output_dir / "run_report.json").read_text())
         assert report["job"] == JOB_NAME and report["scheduler"] == "exact"
-        assert report["achieved_throughput"] > 0
-        assert report["predicted_throughput"] > 0
-        assert report["auc"] is not None and 0.0 < report["auc"] < 1.0
-        assert report["logloss"] is not None and report["logloss"] > 0
         for name in ("problem.yaml", "plan.json", "run_summary.json"):
             assert (output_dir / name).is_file(), name
+        plan = json.loads((output_dir / "plan.json").read_text())
+        summary = json.loads((output_dir / "run_summary.json").read_text())
+        assert summary["steps"] == 20 and summary["samples"] == 20 * 512
+        # the plan promises the floor, and the run reached it (20 batches: too short for the closed
+        # loop's steady-rate check, so floor_met says "not measured")
+        assert plan["feasible"] and report["predicted_throughput"] == pytest.approx(plan["throughput"])
+        assert report["predicted_throughput"] >= 500 and report["throughput_min"] == 500
+        achieved = summary["steady_throughput"] or summary["throughput"]
+        assert report["achieved_throughput"] == pytest.approx(achieved) and achieved >= 500
+        assert report["floor_met"] is None
+        # sync training: the model of the reference trainer on the same 20 batches of the same data
+        _assert_trains_like_the_reference(job_file, summary, report)
     finally:
         stopped = _cluster_sh(env, "stop", timeout=120)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -158,10 +158,17 @@ def test_reference_runs_end_to_end_on_the_criteo_sample(criteo_sample):
     trainer = ReferenceTrainer(MODELS["ctr_dnn"](), OptimizerConfig(), seed=0)
     train = {k: v[:160] for k, v in batch.items()}
     held_out = {k: v[160:] for k, v in batch.items()}
+    untrained = trainer.evaluate(held_out)
     losses = [trainer.train_step({k: v[i : i + 32] for k, v in train.items()}) for i in range(0, 160, 32)]
     metrics = trainer.evaluate(held_out)
-    assert all(np.isfinite(losses)) and 0.0 < losses[0] < 1.0
-    assert 0.0 <= metrics["auc"] <= 1.0 and 0.0 < metrics["logloss"] < 2.0
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    # 40 held-out real rows: too few for the AUC to say much, but its metrics are sklearn's on the
+    # model's scores, and five batches already lower the held-out loss (0.724 -> 0.683 at seed 0)
+    logits = trainer.predict(held_out)
+    assert metrics["auc"] == pytest.approx(roc_auc_score(held_out["label"], logits), abs=1e-12)
+    probabilities = 1 / (1 + np.exp(-logits))
+    assert metrics["logloss"] == pytest.approx(log_loss(held_out["label"], probabilities), rel=1e-6)
+    assert metrics["logloss"] < untrained["logloss"] - 0.02
     assert len(trainer.table) == len(np.unique(train["keys"]))
 
 
@@ -194,8 +201,19 @@ def test_reference_command_synthesises_trains_and_writes_a_summary(tmp_path, cap
     assert "AUC" in out and "achievable" in out
     summary = json.loads((tmp_path / "out" / "reference_summary.json").read_text())
     assert summary["steps"] == 10 and summary["samples"] == 640 and summary["model"] == "ctr_dnn"
-    assert summary["eval_rows"] == 300 and 0.0 <= summary["auc"] <= 1.0
+    assert summary["eval_rows"] == 300
     assert (tmp_path / "data" / "_meta.json").is_file()
+    # the command reports what the reference trainer gives on the data it generated, 10 batches of 64
+    from heterps_ray.config import load_job
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.models import build_model
+
+    config = load_job(job)
+    trainer = ReferenceTrainer(build_model(config.model), config.optimizer, seed=config.seed)
+    history = trainer.fit(Dataset(tmp_path / "data"), config.batch_size, steps=10, progress=False)
+    expected = trainer.evaluate(Dataset(tmp_path / "data").load("eval"))
+    assert summary["auc"] == pytest.approx(expected["auc"], abs=1e-9)
+    assert summary["final_loss"] == pytest.approx(np.mean(history["loss"]), abs=1e-6)  # mean of the last 50
     # a second run finds the data and does not regenerate it; the same seed trains the same way
     assert main(["reference", job, "--steps", "10", "--no-progress", "--threads", "1"]) == 0
     again = json.loads((tmp_path / "out" / "reference_summary.json").read_text())

@@ -100,11 +100,15 @@ def test_shipped_policy_plans_eleven_types_and_a_hundred_layers():
     problem = generate_problem(3, num_layers=(100, 100), num_types=(11, 11), catalogue="wide")
     plan = RLScheduler().schedule(problem)
     check_plan(plan, problem)
-    assert plan.extra["mode"] == "zero-shot" and len(set(plan.assignment)) >= 1
-    assert plan.extra["policy_cost"] is not None or not plan.feasible
-    for t in problem.types_running_all_layers():  # never worse than a single-type plan
-        single = provision(problem, [t] * problem.num_layers)
-        assert not single.feasible or (plan.feasible and plan.cost <= single.cost * (1 + 1e-12))
+    assert plan.extra["mode"] == "zero-shot"
+    # a plan meets the floor (h200 alone does, at 285.6 $), and the policy's own one does too
+    assert plan.feasible and plan.throughput >= problem.throughput_min
+    assert plan.extra["policy_cost"] is not None and plan.cost <= plan.extra["policy_cost"] * (1 + 1e-12)
+    singles = [provision(problem, [t] * problem.num_layers) for t in problem.types_running_all_layers()]
+    best_single = min(s.cost for s in singles if s.feasible)
+    # mixing types pays here: the policy's plan alone costs 0.65x the cheapest single type that meets
+    # the floor (the polished one 0.49x); 0.7x leaves room for a polish cut short by its time budget
+    assert plan.cost <= 0.7 * best_single and len(set(plan.assignment)) > 1
 
 
 def test_policy_that_fails_alone_still_gives_a_feasible_plan_no_worse_than_single_types(tmp_path):
