@@ -3,6 +3,7 @@ table, dense tables with torch's Adam, and snapshots that round-trip without pic
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +133,13 @@ def test_snapshot_restores_rows_and_optimizer_state_without_pickle(ray_local, tm
         ray_local.get(client.push("emb", keys, rng.normal(size=(32, 26, 4)).astype(np.float32)))
         ray_local.get(shards[0].register_dense.remote("stage1", {"w": np.ones(3, np.float32)}, "adam", 0.1))
         ray_local.get(shards[0].push_dense.remote("stage1", {"w": np.ones(3, np.float32)}))
-        paths = ray_local.get(
+        reports = ray_local.get(
             [s.snapshot.remote(str(tmp_path / f"shard{i}.npz")) for i, s in enumerate(shards)]
         )
+        paths = [str(tmp_path / r["file"]) for r in reports]
+        for report, path in zip(reports, paths, strict=True):  # what the shard wrote, as it reports it
+            assert report["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            assert report["node"] == ray_local.get_runtime_context().get_node_id()
         with np.load(paths[0], allow_pickle=False) as data:  # plain arrays only
             assert "sparse/emb/keys" in data.files and "dense/stage1/exp_avg/w" in data.files
         ray_local.get(fresh[0].register_dense.remote("stage1", {"w": np.zeros(3, np.float32)}, "adam", 0.1))

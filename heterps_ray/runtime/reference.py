@@ -11,7 +11,7 @@ One training step, in order:
 
 Example::
 
-    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed, table=job.table)
     history = trainer.fit(Dataset(job.data.path), batch_size=512)
     trainer.evaluate(Dataset(job.data.path).load("eval"))   # {"auc": ..., "logloss": ...}
 """
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from heterps_ray.config import JobConfig, OptimizerConfig
+from heterps_ray.config import JobConfig, OptimizerConfig, TableConfig
 from heterps_ray.models import LayerChain, ModelSpec, loss_fn
 from heterps_ray.ps.atomic import write_bytes_atomic
 from heterps_ray.ps.table import SparseTable
@@ -42,14 +42,20 @@ class _BatchSource(Protocol):
     def iter_batches(self, split: str, batch_size: int, files: Any = None, drop_last: bool = True) -> Any: ...
 
 
-def sparse_table(model: ModelSpec, optimizer: OptimizerConfig, seed: int) -> SparseTable:
-    """The sparse table (or one PS shard of it) for `model`, with the job's Adagrad settings."""
+def sparse_table(
+    model: ModelSpec, optimizer: OptimizerConfig, seed: int, table: TableConfig | None = None
+) -> SparseTable:
+    """The sparse table for `model`, with the job's Adagrad settings and its `table:` section's
+    admission and TTL (the per-shard row cap is the runtime's: its shards hold a partition each)."""
+    table = table or TableConfig()
     return SparseTable(
         dim=model.embedding_dim,
         seed=seed,
         lr=optimizer.sparse_lr,
         init_accumulator=optimizer.sparse_init_accumulator,
         init_scale=model.embedding_init_scale,
+        admit_after=table.admit_after,
+        ttl=table.ttl_batches,
     )
 
 
@@ -66,9 +72,11 @@ def dense_optimizer(
 class ReferenceTrainer:
     """Sparse table (Adagrad) + the full model (Adam/SGD) + BCE loss, in one process on the CPU."""
 
-    def __init__(self, model: ModelSpec, optimizer: OptimizerConfig, seed: int = 0):
+    def __init__(
+        self, model: ModelSpec, optimizer: OptimizerConfig, seed: int = 0, table: TableConfig | None = None
+    ):
         self.model = model
-        self.table = sparse_table(model, optimizer, seed)
+        self.table = sparse_table(model, optimizer, seed, table)
         self.net: LayerChain = model.build(0, model.num_layers, seed)
         self.optimizer = dense_optimizer(self.net.parameters(), optimizer)
         self.steps = 0
@@ -77,7 +85,7 @@ class ReferenceTrainer:
         """One step on one batch; returns the batch's mean loss (before the update)."""
         keys = batch["keys"]
         batch_size = len(keys)
-        rows = self.table.pull(keys.ravel())
+        rows = self.table.pull(keys.ravel(), step=self.steps)  # the batch index: the table's clock
         emb = torch.from_numpy(rows).view(batch_size, self.model.num_slots, self.model.embedding_dim)
         emb.requires_grad_(True)
         dense = torch.from_numpy(np.ascontiguousarray(batch["dense"], dtype=np.float32))
@@ -163,7 +171,7 @@ def run_reference(job: JobConfig, steps: int | None = None, progress: bool = Tru
 
     model = build_model(job.model)
     dataset = prepare_dataset(job.data, seed=job.seed)
-    trainer = ReferenceTrainer(model, job.optimizer, seed=job.seed)
+    trainer = ReferenceTrainer(model, job.optimizer, seed=job.seed, table=job.table)
     history = trainer.fit(
         dataset,
         job.batch_size,
