@@ -11,10 +11,10 @@ from heterps_ray.costmodel import CostModel, problem_from_dict
 from heterps_ray.costmodel.formulas import (
     boundary_ms,
     input_ms,
-    monetary_cost,
     ps_throughput,
     stage_throughput,
 )
+from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.scheduling.generator import generate_problem
 
 

@@ -7,10 +7,10 @@ from heterps_ray.costmodel.analytic import (
     Evaluation,
     StageEvaluation,
     StageTime,
-    monetary_cost,
     stage_throughput,
 )
 from heterps_ray.costmodel.plan import Plan, PlanStage, check_plan, load_plan
+from heterps_ray.costmodel.pricing import Priced, meets_floor, monetary_cost, price_plan
 from heterps_ray.costmodel.problem import (
     Layer,
     LayerTime,
@@ -42,7 +42,10 @@ __all__ = [
     "StageTime",
     "load_plan",
     "load_problem",
+    "meets_floor",
     "monetary_cost",
+    "price_plan",
+    "Priced",
     "one_replica_per_stage",
     "problem_from_dict",
     "stage_throughput",

@@ -1,4 +1,5 @@
-"""The analytic cost model of DESIGN.md §3: stage times, pipeline throughput, cost rate and cost.
+"""The analytic cost model of DESIGN.md §3: stage times, pipeline throughput, cost rate and cost
+(assembled by pricing.price_plan, the one place a plan's price is put together).
 
 A problem with a `runtime` section is priced with the runtime terms of §3b (runtime_terms.py): the
 throughput the runtime achieves, not the base model's pipeline of free messages on dedicated cores.
@@ -22,16 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterps_ray.costmodel.formulas import (
-    FLOOR_RTOL,
-    S_PER_HOUR,
     boundary_ms,
     input_ms,
     layer_ms,
-    meets_floor,
-    monetary_cost,
     ps_throughput,
     stage_throughput,
 )
+from heterps_ray.costmodel.pricing import price_plan
 from heterps_ray.costmodel.problem import Problem
 from heterps_ray.costmodel.runtime_terms import RuntimeLimits, limits, throughput_tables
 
@@ -270,11 +268,12 @@ class CostModel:
                 theta = stage_throughput(self.batch_size, tau, st.alpha, k) if k >= 1 else 0.0
             priced.append(StageEvaluation(st.start, st.end, st.type, int(k), tau, st.alpha, theta))
         theta_ps = self.ps_throughput(ps_shards)
-        throughput = min([s.throughput for s in priced] + [theta_ps]) if runnable else 0.0
+        caps = [s.throughput for s in priced]
+        if terms is None or not terms.ps_hosted:  # hosted shards: the DataWorker's own time has their work
+            caps.append(theta_ps)
         if terms is not None:
-            if terms.ps_hosted:  # no shard actor serves it: the DataWorker's own time (busy) has its work
-                throughput = min([s.throughput for s in priced]) if runnable else 0.0
-            throughput = min(throughput, terms.loop_throughput, terms.host_throughput)
+            caps += [terms.loop_throughput, terms.host_throughput]
+        price = price_plan(caps, cost_rate, self.samples, self.floor, runnable)
         available = (
             all(k >= 1 for k in counts)
             and ps_shards >= self.ps_min_shards
@@ -284,13 +283,13 @@ class CostModel:
             stages=tuple(priced),
             ps_shards=int(ps_shards),
             ps_throughput=theta_ps,
-            throughput=throughput,
-            cost_rate=cost_rate,
-            cost=monetary_cost(cost_rate, self.samples, throughput),
+            throughput=price.throughput,
+            cost_rate=price.cost_rate,
+            cost=price.cost,
             instances=tuple(instances),
             runnable=runnable,
             available=available,
-            meets_floor=meets_floor(throughput, self.floor),
+            meets_floor=price.meets_floor,
             runtime=terms,
         )
 
@@ -350,10 +349,10 @@ class CostModel:
         else:
             theta_ps = np.full(P, np.inf)
         runnable = runnable_lt.all(axis=1)
-        throughput = np.where(runnable, np.minimum(theta.min(axis=1), theta_ps), 0.0)
 
         k_valid = np.where(valid, k, 0)
         cost_rate = (k_valid * self.price[stage_type]).sum(axis=1) + m * self.price[self.ps_type]
+        price = price_plan([theta.min(axis=1), theta_ps], cost_rate, self.samples, self.floor, runnable)
         type_flat = (stage_type + (np.arange(P) * self.num_types)[:, None]).ravel()
         instances = np.bincount(type_flat, k_valid.ravel(), P * self.num_types).reshape(P, self.num_types)
         instances[:, self.ps_type] += m
@@ -362,17 +361,14 @@ class CostModel:
             & (m >= self.ps_min_shards)
             & ((k >= 1) | ~valid).all(axis=1)
         )
-        with np.errstate(divide="ignore", invalid="ignore"):
-            cost = np.where(throughput > 0.0, cost_rate * self.samples / throughput / S_PER_HOUR, np.inf)
-        cost = np.where(np.isinf(throughput), 0.0, cost)
         return BatchEvaluation(
-            throughput=throughput,
+            throughput=price.throughput,
             cost_rate=cost_rate,
-            cost=cost,
+            cost=price.cost,
             num_stages=num_stages,
             runnable=np.asarray(runnable),
             available=available,
-            meets_floor=throughput >= self.floor * (1.0 - FLOOR_RTOL),
+            meets_floor=price.meets_floor,
         )
 
     def _evaluate_each(self, a: np.ndarray, k: np.ndarray, m: np.ndarray) -> BatchEvaluation:

@@ -57,14 +57,4 @@ def ps_throughput(shards: int, rows_per_second_per_shard: float, rows_per_sample
     return shards * rows_per_second_per_shard / rows_per_sample
 
 
-def monetary_cost(cost_rate_per_hour: float, samples: float, throughput: float) -> float:
-    """$ = R * N / Theta / 3600."""
-    if throughput <= 0.0:
-        return math.inf
-    if math.isinf(throughput):
-        return 0.0
-    return cost_rate_per_hour * samples / throughput / S_PER_HOUR
-
-
-def meets_floor(throughput: float, floor: float) -> bool:
-    return throughput >= floor * (1.0 - FLOOR_RTOL)
+# The monetary cost, the floor test and their assembly into a plan's price: pricing.py.

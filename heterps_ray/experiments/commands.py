@@ -266,7 +266,7 @@ def _summary(table: Any) -> str:
 
 def _wins(table: Any, cost: str, feasible: str) -> Any:
     """Per scheduler, the (problem, floor) cases where its plan meets the floor at the lowest `cost`."""
-    from heterps_ray.costmodel.analytic import FLOOR_RTOL
+    from heterps_ray.costmodel.formulas import FLOOR_RTOL
 
     ok = table[table[feasible].astype(bool)]
     best = ok.groupby(["problem", "floor"])[cost].transform("min")

@@ -203,7 +203,7 @@ def _compare_table(problem: Any, rows: list[dict[str, Any]], unable: list[str]) 
 
 def _cheapest_line(rows: list[dict[str, Any]]) -> str:
     """Which schedulers' plans are cheapest under the true model, and what the base optimum is worth there."""
-    from heterps_ray.costmodel.analytic import FLOOR_RTOL
+    from heterps_ray.costmodel.formulas import FLOOR_RTOL
 
     feasible = [r for r in rows if r["feasible"]]
     if not feasible:
@@ -234,7 +234,7 @@ def _json_num(value: Any) -> Any:
 
 
 def _raise_infeasible(problem: Any, file: str, best: float | None, scheduler: str | None = None) -> None:
-    from heterps_ray.costmodel.analytic import FLOOR_RTOL
+    from heterps_ray.costmodel.formulas import FLOOR_RTOL
     from heterps_ray.errors import InfeasibleError
     from heterps_ray.scheduling.exact import max_reachable_throughput
 

@@ -44,6 +44,7 @@ import numpy as np
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR, stage_throughput
 from heterps_ray.costmodel.plan import Plan
+from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision_counts
@@ -541,9 +542,9 @@ class _LevelSearch:
                 break
             consider(bound.assignment)
             if best is not None:
-                if bound.rate * model.samples / theta_max / S_PER_HOUR >= best[1].cost:
+                if monetary_cost(bound.rate, model.samples, theta_max) >= best[1].cost:
                     break  # no faster level can be cheaper: R* only grows, Theta <= theta_max
-                skip_to = bound.rate * model.samples / S_PER_HOUR / best[1].cost
+                skip_to = bound.rate * model.samples / S_PER_HOUR / best[1].cost  # where R / Θ = best cost
                 if skip_to > target * (1.0 + _STEP_RTOL):
                     target = skip_to
                     continue

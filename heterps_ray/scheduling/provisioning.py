@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
 from heterps_ray.costmodel.plan import Plan
+from heterps_ray.costmodel.pricing import price_plan
 
 _REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
 
@@ -104,9 +104,9 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
     if not reachable.any():
         return fallback
 
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cost = np.where(np.isinf(throughput), 0.0, cost_rate * model.samples / throughput / S_PER_HOUR)
-    ok = reachable & (throughput >= model.floor * (1.0 - FLOOR_RTOL))
+    price = price_plan([throughput], cost_rate, model.samples, model.floor)
+    cost = price.cost
+    ok = reachable & price.meets_floor
     max_throughput = float(throughput[reachable].max())
     if ok.any():
         # lowest cost; ties -> lower cost rate

@@ -41,6 +41,7 @@ import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.formulas import BYTES_PER_MS_PER_GBPS, FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
 from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
 
@@ -684,9 +685,9 @@ class RuntimeLevels:
             for assignment in paths:
                 consider(assignment)
             if best is not None:
-                if lb * to_cost / theta_max >= best[1].cost:
+                if monetary_cost(lb, model.samples, theta_max) >= best[1].cost:
                     self.proof.stop = "DP bound at the level / max throughput >= cost"
-                    self.proof.bound = lb * to_cost / theta_max
+                    self.proof.bound = monetary_cost(lb, model.samples, theta_max)
                     break
                 skip_to = lb * to_cost / best[1].cost
                 if skip_to > target * (1.0 + _STEP_RTOL):
@@ -699,9 +700,9 @@ class RuntimeLevels:
                 break
             consider(level.assignment)
             reached = provision_counts(model, level.assignment).max_throughput
-            if best is not None and level.bound * to_cost / theta_max >= best[1].cost:
+            if best is not None and monetary_cost(level.bound, model.samples, theta_max) >= best[1].cost:
                 self.proof.stop = "ILP bound at the level / max throughput >= cost"
-                self.proof.bound = level.bound * to_cost / theta_max
+                self.proof.bound = monetary_cost(level.bound, model.samples, theta_max)
                 break
             if math.isinf(reached):
                 self.proof.stop = "unbounded throughput"
