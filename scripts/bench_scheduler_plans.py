@@ -183,6 +183,7 @@ def _executed_job(job_file: Path, problem: Any, work: Path) -> Any:
 
 def _schedule(problem: Any, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each scheduler's plan, priced by the true and the base model; plans are keyed by what runs."""
+    from heterps_ray.costmodel import evaluate_plan
     from heterps_ray.errors import HeterPSError
     from heterps_ray.scheduling import base_model, get_scheduler
 
@@ -194,7 +195,7 @@ def _schedule(problem: Any, names: list[str], args: argparse.Namespace) -> list[
         except HeterPSError as exc:  # e.g. single where no type runs every layer
             print(f"{name}: no plan ({exc})", flush=True)
             continue
-        predicted_base = plan.evaluate(base)
+        predicted_base = evaluate_plan(plan, base)
         plans.append(
             {
                 "scheduler": name,
@@ -204,7 +205,7 @@ def _schedule(problem: Any, names: list[str], args: argparse.Namespace) -> list[
                 "feasible": plan.feasible,
                 "predicted": plan.throughput,
                 "predicted_base": predicted_base.throughput,
-                "bound": plan.evaluate(problem).bound,
+                "bound": evaluate_plan(plan, problem).bound,
                 "scheduler_seconds": plan.seconds,
             }
         )

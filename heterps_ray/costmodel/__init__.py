@@ -7,6 +7,7 @@ from heterps_ray.costmodel.analytic import (
     Evaluation,
     StageEvaluation,
     StageTime,
+    evaluate_plan,
     stage_throughput,
 )
 from heterps_ray.costmodel.plan import Plan, PlanStage, check_plan, load_plan
@@ -40,6 +41,7 @@ __all__ = [
     "check_plan",
     "StageEvaluation",
     "StageTime",
+    "evaluate_plan",
     "load_plan",
     "load_problem",
     "meets_floor",

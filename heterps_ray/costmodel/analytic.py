@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from heterps_ray.costmodel.formulas import (
 )
 from heterps_ray.costmodel.pricing import price_plan
 from heterps_ray.costmodel.problem import Problem
+
+if TYPE_CHECKING:
+    from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.runtime_terms import RuntimeLimits, limits, throughput_tables
 
 # ---------------------------------------------------------------------------------------------
@@ -386,3 +390,11 @@ class CostModel:
             available=np.array([e.available for e in evaluations], dtype=bool),
             meets_floor=np.array([e.meets_floor for e in evaluations], dtype=bool),
         )
+
+
+def evaluate_plan(plan: Plan, problem: Problem) -> Evaluation:
+    """Re-price `plan` with the cost model of `problem` (which it must match: check_plan)."""
+    from heterps_ray.costmodel.plan import check_plan
+
+    check_plan(plan, problem)
+    return CostModel(problem).evaluate(list(plan.assignment), plan.replicas, plan.ps_shards)

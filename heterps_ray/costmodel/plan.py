@@ -13,13 +13,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from heterps_ray.costmodel.analytic import CostModel, Evaluation
 from heterps_ray.costmodel.problem import Problem
 from heterps_ray.errors import ConfigError
+
+if TYPE_CHECKING:  # the type only: a plan is data and does not price itself (analytic.evaluate_plan does)
+    from heterps_ray.costmodel.analytic import Evaluation
 from heterps_ray.ps.atomic import write_bytes_atomic
 
 
@@ -102,11 +104,6 @@ class Plan:
     @property
     def replicas(self) -> list[int]:
         return [s.replicas for s in self.stages]
-
-    def evaluate(self, problem: Problem) -> Evaluation:
-        """Re-price this plan with the cost model of `problem` (which it must match)."""
-        check_plan(self, problem)
-        return CostModel(problem).evaluate(list(self.assignment), self.replicas, self.ps_shards)
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -229,7 +226,7 @@ def check_plan(plan: Plan, problem: Problem, file: str | None = None) -> None:
             raise ConfigError(
                 file, f"assignment.{i}", f"a type that can run layer {problem.layers[i].name!r}", type_name
             )
-    expected = CostModel(problem).split_stages(list(plan.assignment))
+    expected = _runs([names.index(t) for t in plan.assignment])
     if len(plan.stages) != len(expected):
         raise ConfigError(
             file, "stages", f"{len(expected)} stages (maximal runs of the assignment)", len(plan.stages)
@@ -291,6 +288,16 @@ class _PlanFile(BaseModel):
     batch_size: int = 0
     samples: float = 0.0
     extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def _runs(assignment: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, type) of each maximal run of equal types: the stages of an assignment."""
+    runs, start = [], 0
+    for i in range(1, len(assignment) + 1):
+        if i == len(assignment) or assignment[i] != assignment[start]:
+            runs.append((start, i, assignment[start]))
+            start = i
+    return runs
 
 
 def _finite_or_none(x: float | None) -> float | None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from heterps_ray.costmodel import Plan, Problem, load_problem
+from heterps_ray.costmodel import Plan, Problem, evaluate_plan, load_problem
 from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.experiments.cost_frontier import with_floor
 from heterps_ray.scheduling import (
@@ -257,7 +257,7 @@ def plan_metrics(plan: Plan, problem: Problem) -> dict[str, Any]:
     """The comparison columns of one plan of `problem` (what a trial reports): cost (inf where it misses
     the floor), throughput and feasible under the problem's model, base_* under the base model of
     DESIGN.md §3 (the same numbers for a problem without runtime terms)."""
-    base = plan.evaluate(base_model(problem))
+    base = evaluate_plan(plan, base_model(problem))
     return {
         "cost": float(plan.cost) if plan.feasible else math.inf,
         "throughput": float(plan.throughput),

@@ -147,8 +147,10 @@ def compare_row(problem: Any, plan: Any, exact_cost: float) -> dict[str, Any]:
         "ps_shards": plan.ps_shards,
     }
     if problem.runtime is not None:
-        true = plan.evaluate(problem)
-        base = plan.evaluate(base_model(problem))
+        from heterps_ray.costmodel import evaluate_plan
+
+        true = evaluate_plan(plan, problem)
+        base = evaluate_plan(plan, base_model(problem))
         row.update(
             scheduled_with="base" if plan.scheduler.startswith("base:") else "true",
             bound=true.bound,
