@@ -37,7 +37,9 @@ def connect(
 ) -> bool:
     """Make sure Ray is initialised and declares every resource type of `cluster` (ConfigError if
     not; with ``all_types=False`` at least one, the others are reported: an elastic run uses them
-    when they join); returns True when this call started Ray (then the caller shuts it down)."""
+    when they join); returns True when this call started Ray (then the caller shuts it down). A
+    cluster with ``cluster.autoscale.enabled`` may declare none yet: its autoscaler
+    starts the nodes that `heterps run` requests."""
     import ray
 
     started = not ray.is_initialized()
@@ -46,8 +48,13 @@ def connect(
         if not address:
             _keep_token_auth()
         ray.init(**init_kwargs(cluster, address, dashboard=dashboard, dashboard_host=dashboard_host))
-    if cluster is not None:
+    if cluster is not None and not cluster.autoscale.enabled:
         _check_resource_types(cluster, started, all_types)
+    elif cluster is not None:  # an autoscaling cluster: its types come when asked (closedloop/autoscale.py)
+        log.info(
+            "autoscaling cluster: nodes of %s are requested as needed",
+            [t.name for t in cluster.resource_types],
+        )
     return started
 
 
@@ -108,6 +115,7 @@ def _check_resource_types(cluster: ClusterConfig, started: bool, all_types: bool
             None,
             "cluster.resource_types",
             f"types the Ray cluster declares as custom resources (it lacks {missing}; "
-            f"start it with --resources='{json.dumps(cluster.local_resources())}')",
+            f"start it with --resources='{json.dumps(cluster.local_resources())}'; on an autoscaling "
+            "cluster whose worker groups start empty, pass --autoscale: cluster.autoscale.enabled)",
             sorted(k for k in have if k not in ("CPU", "GPU", "memory", "object_store_memory")),
         )

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import psutil
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import ClusterConfig, JobConfig, load_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
 TINY_BATCH = 64
+# the head node type of the fake multi-node provider (it tags the head so); any other name makes its
+# autoscaler launch a second "head"
+HEAD_TYPE = "ray.head.default"
 
 
 def free_ports(count: int) -> list[int]:
@@ -186,3 +189,118 @@ class LocalRayCluster:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class LocalAutoscalingCluster(LocalRayCluster):
+    """Ray's own autoscaler on this machine, with its fake multi-node provider standing in for KubeRay:
+    the head starts alone (`RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=FILE`, a temp dir
+    of its own, no resource type declared on it) and one worker node type per resource type of
+    `cluster` scales from 0 to its max_instances, each node shaped as `heterps cluster render` shapes
+    it (one actor of the type: {name: 1}, its CPUs rounded up). The autoscaler starts a node as a
+    raylet of the head's session (its processes name the head's temp dir), so :meth:`close` (the
+    processes naming that dir or the head's port, and their children; never `ray stop`) ends them
+    too. `node_types` updates a type's entry (e.g. {"cpu_big": {"max_workers": 0}}).
+
+    The fake provider points its nodes at GCS port 6379 unless the provider config names the head's
+    GCS (`provider.gcs_address`), which it does here: the head takes a free port like the others."""
+
+    def __init__(
+        self,
+        cluster: Path,
+        *,
+        idle_timeout_minutes: float = 0.1,
+        node_types: dict[str, dict] | None = None,
+        head_cpus: int = 1,
+    ):
+        super().__init__(cluster, num_cpus=head_cpus)
+        self.config_file = Path(self.head_tmp) / "autoscaling.yaml"
+        self.config = fake_autoscaling_config(
+            load_cluster(cluster), self.address, idle_timeout_minutes, node_types or {}, head_cpus
+        )
+
+    def start(self, attempts: int = 2) -> LocalAutoscalingCluster:
+        """Start the head (`attempts` tries: on a loaded machine `ray start` can time out waiting for
+        its own GCS; a head half up is stopped before the next try)."""
+        import yaml
+
+        for _ in range(attempts):
+            Path(self.head_tmp).mkdir(parents=True, exist_ok=True)
+            self.config_file.write_text(yaml.safe_dump(self.config, sort_keys=False))
+            started = self._start_head()
+            if started.returncode == 0:
+                return self
+            self.close()  # its GCS and monitor may be up: they are this cluster's, stop them
+        raise AssertionError(f"ray start failed {attempts} times: " + started.stdout + started.stderr)
+
+    def _start_head(self) -> subprocess.CompletedProcess:
+        agent, agent_grpc, runtime_env, metrics, dashboard, client = free_ports(6)
+        env = {**self.env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        env["PATH"] = f"{REPO / '.venv' / 'bin'}:{env.get('PATH', '')}"
+        return subprocess.run(
+            [str(REPO / ".venv" / "bin" / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
+             "--port", str(self.head_port), "--num-cpus", str(self.config["available_node_types"][HEAD_TYPE]
+             ["resources"]["CPU"]), "--autoscaling-config", str(self.config_file), "--temp-dir", self.head_tmp,
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port",
+             str(agent), "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port",
+             str(runtime_env), "--metrics-export-port", str(metrics), "--ray-client-server-port", str(client),
+             "--disable-usage-stats"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    def nodes_by_type(self) -> dict[str, int]:
+        """Resource type -> live nodes that declare it now (the head declares none)."""
+        types = set(self.config["available_node_types"]) - {HEAD_TYPE}
+        return {name: len(ids) for name, ids in self.node_ids().items() if name in types}
+
+
+def fake_autoscaling_config(
+    cluster: ClusterConfig,
+    gcs_address: str,
+    idle_timeout_minutes: float,
+    node_types: dict[str, dict],
+    head_cpus: int,
+) -> dict:
+    """The autoscaling config of Ray's fake multi-node provider (what `AutoscalingCluster` reads from
+    fake_multi_node/example.yaml, which the Ray 2.60 wheel lacks) with a head of `head_cpus` CPUs and
+    no type, and one worker node type per resource type of `cluster`, from 0 nodes."""
+    from heterps_ray.deploy.render import node_resources
+
+    head = {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}
+    types: dict[str, dict] = {HEAD_TYPE: head}
+    for rtype in cluster.resource_types:
+        types[rtype.name] = {
+            "resources": node_resources(rtype),
+            "node_config": {},
+            "min_workers": 0,
+            "max_workers": rtype.max_instances,
+            **node_types.get(rtype.name, {}),
+        }
+    return {
+        "cluster_name": "heterps-fake",
+        "max_workers": sum(t.max_instances for t in cluster.resource_types),
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_minutes,
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "launch_multiple": True,  # several nodes of a type at once, as a cloud launches them
+            "gcs_address": gcs_address,
+        },
+        "available_node_types": types,
+        "head_node_type": HEAD_TYPE,
+        "docker": {},
+        "auth": {},
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }

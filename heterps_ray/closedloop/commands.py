@@ -55,6 +55,14 @@ def register(subparsers: Any) -> None:
         "plan and re-plans it had decided (a changed job file is refused); `--resume auto` resumes when "
         "output_dir holds a run and starts one otherwise (for retried `ray job submit`s); deletes nothing",
     )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the cluster's autoscaler starts the nodes (worker groups may start empty): request one node "
+        "of each type for the profile and the plan's actors' bundles before training, give them back at "
+        "the end; a type not there within cluster.autoscale.node_timeout_s is planned without "
+        "(same as cluster.autoscale.enabled: true)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_run)
 
@@ -66,6 +74,9 @@ def _run(args: argparse.Namespace) -> int:
 
     overrides = {"output_dir": str(Path(args.output_dir).resolve())} if args.output_dir else None
     job = load_job(args.job, overrides)
+    if args.autoscale:
+        autoscale = job.cluster.autoscale.model_copy(update={"enabled": True})
+        job = job.model_copy(update={"cluster": job.cluster.model_copy(update={"autoscale": autoscale})})
     if args.steps is not None and args.steps < 1:
         raise ConfigError(None, "--steps", "a positive integer", args.steps)
     report = run_job(

@@ -40,6 +40,11 @@ class RunReport:
     floor_met: bool | None = None
     replans: list[dict[str, Any]] = field(default_factory=list)  # resource changes and the new plans
     floor_attempts: list[dict[str, Any]] = field(default_factory=list)  # missed floors and the re-plans
+    # an autoscaling cluster (closedloop/autoscale.py): s waited for requested nodes, $ of the nodes
+    # up meanwhile (idle, at each type's price_per_hour), and each request (profile, plan, re-plans)
+    node_wait_s: float = 0.0
+    node_wait_cost: float = 0.0
+    node_requests: list[dict[str, Any]] = field(default_factory=list)
 
     def table(self) -> str:
         err = (
@@ -72,6 +77,14 @@ class RunReport:
         lines.append(f"  floor       {self.throughput_min:>12,.0f} samples/s  {met}")
         if self.auc is not None:
             lines.append(f"  model       AUC {self.auc:.4f}, logloss {self.logloss:.4f}")
+        if self.node_requests:
+            missing = sorted({t for r in self.node_requests for t in r["missing"]})
+            lines.append(
+                f"  nodes       {self.node_wait_s:.1f} s waited in {len(self.node_requests)} request(s), "
+                f"{sum(len(r['joined']) for r in self.node_requests)} node(s) joined, "
+                f"{self.node_wait_cost:.6f} $ idle meanwhile"
+                + (f"; never came: {missing}" if missing else "")
+            )
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
         lines.append(f"  time        {phases}")
         return "\n".join(lines)
@@ -91,9 +104,11 @@ def build_report(
     seconds: dict[str, float],
     replans: list[dict[str, Any]],
     attempts: list[dict[str, Any]],
+    node_requests: list[dict[str, Any]] | None = None,
 ) -> RunReport:
     """The report of a run that trained `plan` (the last plan, after any re-plan) to `summary`, or
-    (summary None) whose closed loop gave up after measuring `measured`."""
+    (summary None) whose closed loop gave up after measuring `measured`; `node_requests`: the waits
+    for an autoscaling cluster's nodes (closedloop/autoscale.py NodeWait.to_dict)."""
     if summary is not None:
         # a long run's rate: the warm-up (first calls, first data chunk) is a one-time cost
         achieved = summary.steady_throughput or summary.throughput
@@ -125,6 +140,9 @@ def build_report(
         floor_met=floor_met,
         replans=replans,
         floor_attempts=attempts,
+        node_wait_s=round(sum(r["seconds"] for r in node_requests or []), 2),
+        node_wait_cost=round(sum(r["cost"] for r in node_requests or []), 6),
+        node_requests=list(node_requests or []),
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import ray
 
+from heterps_ray.closedloop.autoscale import NodeWait, PlanNodes, profile_nodes
 from heterps_ray.closedloop.probes import profile_job
 from heterps_ray.closedloop.problems import given_problem
 from heterps_ray.closedloop.replan import Decisions, Replanner, feasible
@@ -88,6 +89,7 @@ def run_job(
         print(f"{out}: the run finished already; its report is {out / REPORT_FILE}")
         return RunReport(**json.loads((out / REPORT_FILE).read_text()))
     seconds: dict[str, float] = dict(saved[1]) if saved else {}
+    waits: list[NodeWait] = []  # an autoscaling cluster's node requests (closedloop/autoscale.py)
     # the same settings for the first profile and for a type that joins mid-run
     settings = (
         ProfileSettings.quick(progress=progress) if quick_profile else ProfileSettings(progress=progress)
@@ -100,20 +102,21 @@ def run_job(
         with _timed(seconds, "data"):
             prepare_dataset(job.data, seed=job.seed)
         if saved is None:
-            decisions = _plan(job, scheduler, settings, out, problem_file, seconds)
+            decisions = _plan(job, scheduler, settings, out, problem_file, seconds, waits)
         else:
             decisions = saved[0]
             print(f"resuming {out} with {plan_line(decisions.plan)}")
         save_state(out, job, decisions, seconds)
         with _timed(seconds, "train"):
             summary, gave_up = _train(
-                job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None
+                job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None, waits
             )
     finally:
         if owns_ray:
             ray.shutdown()
     d = decisions
-    report = build_report(job, d.problem, d.plan, summary, d.measured, seconds, d.replans, d.attempts)
+    nodes = [w.to_dict() for w in waits]
+    report = build_report(job, d.problem, d.plan, summary, d.measured, seconds, d.replans, d.attempts, nodes)
     report.save(out)
     save_state(out, job, decisions, seconds, finished=True)
     if gave_up is None and report.floor_met is False:  # trained to the end, but below the floor
@@ -133,9 +136,11 @@ def _plan(
     out: Path,
     problem_file: str | Path | None,
     seconds: dict[str, float],
+    waits: list[NodeWait],
 ) -> Decisions:
-    """The problem (profiled, or the given file) and the scheduler's plan for it (output_dir/plan.json)."""
-    with _timed(seconds, "profile"):
+    """The problem (profiled, or the given file) and the scheduler's plan for it (output_dir/plan.json).
+    On an autoscaling cluster a profile runs on one node of each type, requested for it (`waits`)."""
+    with _timed(seconds, "profile"), profile_nodes(job, waits, wanted=problem_file is None):
         problem = _problem(job, settings, out, problem_file)
     with _timed(seconds, "plan"):
         plan = feasible(scheduler.schedule(problem), problem, job)
@@ -185,36 +190,50 @@ def _train(
     progress: bool,
     overwrite: bool,
     resumed: bool,
+    waits: list[NodeWait],
 ) -> tuple[RunSummary | None, InfeasibleError | None]:
     """Train the plan; after each stop for a missed floor or a resource change, re-plan and resume
     from its checkpoint. `resumed`: a killed run's, from its newest checkpoint (none: step 0). Returns
-    the summary, or the closed loop's exit-3 error once it gives up."""
+    the summary, or the closed loop's exit-3 error once it gives up. On an autoscaling cluster each
+    plan's nodes are requested before it trains and given back at the end (PlanNodes, `waits`)."""
     out = Path(job.output_dir)
     replanner = Replanner(job, scheduler, settings, out, decisions)
     resume: Path | None = None
     stops = 0
-    while True:
-        try:
-            summary = train(
-                job,
-                decisions.plan,
-                steps=steps,
-                progress=progress,
-                overwrite=overwrite or stops > 0,
-                plan_file=str(decisions.plan_file),
-                resume=resume is not None or resumed,
-                start_if_none=resumed and stops == 0,
-                elastic=True,
-                floor=job.throughput_min or None,
-            )
-            return summary, None
-        except (FloorMissed, ResourcesChanged) as stop:
-            stops += 1
+    with PlanNodes(job, waits) as nodes:  # its lines print with --no-progress too, as re-plans do
+        while True:
             try:
-                resume = replanner.after(stop)
-                save_state(out, job, decisions, {})
-            except InfeasibleError as err:
-                if not decisions.measured:  # no plan at all (a resource change): nothing trained to report
+                # autoscaling: request and await this plan's nodes (a type that does not come: re-plan)
+                resume = nodes.get(decisions, replanner, resume)
+                summary = train(
+                    job,
+                    decisions.plan,
+                    steps=steps,
+                    progress=progress,
+                    overwrite=overwrite or stops > 0,
+                    plan_file=str(decisions.plan_file),
+                    resume=resume is not None or resumed,
+                    start_if_none=resumed and stops == 0,
+                    elastic=True,
+                    floor=job.throughput_min or None,
+                )
+                return summary, None
+            except (FloorMissed, ResourcesChanged) as stop:
+                stops += 1
+                # autoscaling: a plan type that left is asked for again before the run re-plans
+                replan = nodes.after(stop, decisions.plan)
+                if replan is None:  # it came back: the same plan resumes
+                    resume = stop.checkpoint
+                    continue
+                try:
+                    resume = replanner.after(replan)
+                    save_state(out, job, decisions, {})
+                except InfeasibleError as err:
+                    if not decisions.measured:  # no plan at all (a resource change): nothing to report
+                        raise
+                    return None, err
+            except InfeasibleError as err:  # no plan on the nodes that came
+                if not decisions.measured:
                     raise
                 return None, err
 
