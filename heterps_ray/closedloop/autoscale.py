@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.costmodel import Plan
+from heterps_ray.runtime.actors import hosts_shards
 from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.loop import FloorMissed
 
@@ -55,9 +56,9 @@ def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
 def plan_bundles(job: JobConfig, plan: Plan) -> list[dict[str, float]]:
     """One bundle per actor `plan` starts for `job`: a DataWorker per stage-0 replica, a StageWorker per
     replica of the other stages, a PS shard actor per shard unless the shards are hosted in DataWorker 0
-    (runtime/actors.py ActorSet.hosted: ``ps_hosting: auto``, one replica per stage)."""
+    (runtime/actors.py hosts_shards)."""
     types = [s.type for s in plan.stages for _ in range(s.replicas)]
-    hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in plan.stages)
+    hosted = hosts_shards(job, [s.replicas for s in plan.stages])
     if not hosted:
         types += [job.cluster.ps_resource] * (job.runtime.ps_shards or int(plan.ps_shards))
     return [actor_bundle(job.cluster, t) for t in types]

@@ -37,6 +37,13 @@ from heterps_ray.runtime.workers import (
 READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
 
 
+def hosts_shards(job: JobConfig, replicas: list[int]) -> bool:
+    """Whether a plan with these stage replica counts hosts its PS shards in DataWorker 0's process:
+    one DataWorker and no replicated stage, with ``runtime.ps_hosting: auto`` (no PS call crosses a
+    process, and the shards need no actors, nor nodes, of their own)."""
+    return job.runtime.ps_hosting == "auto" and all(r == 1 for r in replicas)
+
+
 class ActorSet:
     """The live actors of a plan: ``shards`` (PS shard actors, or handles to the shards hosted in
     DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0)."""
@@ -53,8 +60,7 @@ class ActorSet:
             )
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
-        # one DataWorker and no replicated stage: the PS shards live in its process (no PS calls)
-        self.hosted = job.runtime.ps_hosting == "auto" and all(s.replicas == 1 for s in stages)
+        self.hosted = hosts_shards(job, [s.replicas for s in stages])
         # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
         # takes part in one graph at a time, so several DataWorkers keep plain calls
         self.chained = job.runtime.compiled_graph and len(stages) > 1 and all(s.replicas == 1 for s in stages)
