@@ -9,6 +9,7 @@ from typing import Any
 
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Plan, Problem
+from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.errors import InfeasibleError
 from heterps_ray.ps.atomic import write_bytes_atomic
 from heterps_ray.runtime.driver import RunSummary
@@ -121,7 +122,6 @@ def build_report(
         )
     else:  # the closed loop gave up: what the last plan achieved before it stopped
         achieved, floor_met = measured[-1], False
-    hours = job.samples / achieved / 3600.0 if achieved > 0 else float("inf")
     return RunReport(
         job=job.name,
         scheduler=plan.scheduler,
@@ -130,7 +130,7 @@ def build_report(
         simulated_throughput=_simulated(problem, plan, job),
         achieved_throughput=achieved,
         cost_rate=plan.cost_rate,
-        projected_cost=plan.cost_rate * hours,
+        projected_cost=monetary_cost(plan.cost_rate, job.samples, achieved),
         predicted_cost=plan.cost,
         auc=summary.auc if summary is not None else None,
         logloss=summary.logloss if summary is not None else None,
