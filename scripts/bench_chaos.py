@@ -618,6 +618,10 @@ class _HeterpsRun:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
     def poll(self) -> int | None:
         code = self.proc.poll()
         if code not in (None, 0) and self.starts < 4:
