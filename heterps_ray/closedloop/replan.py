@@ -124,12 +124,21 @@ class Replanner:
 
 
 def feasible(plan: Plan, problem: Problem, job: JobConfig) -> Plan:
-    """`plan` if it reaches the floor, else an InfeasibleError giving the fastest throughput."""
-    if not plan.feasible:
+    """`plan` if it reaches the floor, else an InfeasibleError giving the fastest throughput (or, when
+    no plan can be placed at all, what the types present hold)."""
+    if plan.feasible:
+        return plan
+    if plan.throughput >= problem.throughput_min:  # fast enough, yet no plan: it does not fit
+        types = ", ".join(f"{r.name} x{r.max_instances}" for r in problem.resources)
         raise InfeasibleError(
-            f"no plan reaches the floor of {problem.throughput_min:,.0f} samples/s on cluster "
-            f"{job.cluster.name!r}; the fastest reaches {plan.throughput:,.0f} samples/s. Lower "
-            "throughput_min, or raise max_instances of a resource type.",
-            plan.throughput,
+            f"no plan of {problem.name!r} can be placed on the resource types present ({types}; the PS "
+            f"type {problem.ps_resource!r} holds the shards too) on cluster {job.cluster.name!r}; raise "
+            "max_instances of a type, or bring back a type that left.",
+            0.0,
         )
-    return plan
+    raise InfeasibleError(
+        f"no plan reaches the floor of {problem.throughput_min:,.0f} samples/s on cluster "
+        f"{job.cluster.name!r}; the fastest reaches {plan.throughput:,.0f} samples/s. Lower "
+        "throughput_min, or raise max_instances of a resource type.",
+        plan.throughput,
+    )
