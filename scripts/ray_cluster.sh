@@ -62,8 +62,10 @@ print(*[s.getsockname()[1] for s in socks])')
     id="heterps-$(date +%Y%m%d-%H%M%S)-$$"
     mkdir -p "$RAY_TMP"
     echo "$id" > "$LAST_ID_FILE"
-    "$RAY_BIN" job submit --address "$ADDRESS" --submission-id "$id" --working-dir . \
-      --runtime-env-json '{"excludes": [".venv", ".git", "runs", "data", "*.parquet"]}' \
+    # The working dir goes up whole but for these excludes: Ray's .gitignore rule would also drop the
+    # compiled row store (heterps_ray/ps/_rows*.so, ignored by git, built by setup.py).
+    RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 "$RAY_BIN" job submit --address "$ADDRESS" --submission-id "$id" --working-dir . \
+      --runtime-env-json '{"excludes": [".venv", ".git", "runs", "data", "tmp", "build", "*.parquet", "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache", ".mypy_cache", ".ruff_cache"]}' \
       -- python -m heterps_ray run "$job" "$@"
     ;;
   logs)

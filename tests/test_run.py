@@ -81,7 +81,7 @@ def test_run_profiles_plans_trains_and_reports(first_run):
     again = simulate(load_problem(out / "problem.yaml"), plan, batches=100, micro_batches=job.runtime.micro_batches,
                      max_in_flight=job.runtime.max_in_flight, drain_every=20, startup_ms=0.0)  # fmt: skip
     assert report.simulated_throughput == pytest.approx(again.throughput)
-    assert "simulated" in report.table() and "(analytic model)" in report.table()
+    assert "simulated" in report.table() and "(cost model)" in report.table()
     assert report.cost_rate == pytest.approx(plan["cost_rate"])
     assert report.projected_cost == pytest.approx(
         report.cost_rate * job.samples / report.achieved_throughput / 3600
