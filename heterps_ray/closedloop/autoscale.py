@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.costmodel import Plan
-from heterps_ray.runtime.actors import hosts_shards
+from heterps_ray.runtime.actors import actor_bundle, hosts_shards
 from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.loop import FloorMissed
 
@@ -44,13 +44,6 @@ if TYPE_CHECKING:
 
 POLL_S = 1.0  # s between two looks at the cluster's nodes (one GCS call each)
 PROGRESS_EVERY_S = 15.0  # s between two "still waiting" lines
-
-
-def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
-    """The resources one actor of `type_name` asks Ray for (its ``actor_options()``), as a bundle."""
-    opts = cluster.type(type_name).actor_options()
-    bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
-    return {k: float(v) for k, v in bundle.items() if v}
 
 
 def plan_bundles(job: JobConfig, plan: Plan) -> list[dict[str, float]]:

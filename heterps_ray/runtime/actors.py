@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from heterps_ray.config import JobConfig
+from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
@@ -35,6 +35,13 @@ from heterps_ray.runtime.workers import (
 )
 
 READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
+
+
+def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
+    """The resources one actor of `type_name` asks Ray for (its ``actor_options()``), as a bundle."""
+    opts = cluster.type(type_name).actor_options()
+    bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+    return {k: float(v) for k, v in bundle.items() if v}
 
 
 def hosts_shards(job: JobConfig, replicas: list[int]) -> bool:
@@ -190,14 +197,8 @@ class ActorSet:
             (self.job.cluster.ps_resource, self.num_shards)
         ]
         for name, count in counts:
-            opts = self.job.cluster.type(name).actor_options()
-            for key, amount in {
-                "CPU": opts["num_cpus"],
-                "GPU": opts["num_gpus"],
-                **opts["resources"],
-            }.items():
-                if amount:
-                    demand[key] = demand.get(key, 0.0) + amount * count
+            for key, amount in actor_bundle(self.job.cluster, name).items():
+                demand[key] = demand.get(key, 0.0) + amount * count
         return demand
 
     # -- what the set holds -----------------------------------------------------------------------
