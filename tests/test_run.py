@@ -111,7 +111,10 @@ def test_run_replans_in_closed_loop_after_an_optimistic_profile_misses_the_floor
     """`heterps run --problem` with a deliberately optimistic profile, so that the closed loop must
     re-plan: the first run's profile, refit on what its plan (all on cpu_small) achieved, then
     cpu_small made 5x and cpu_big 50x as fast, the PS unlimited and the shared host's core budget left
-    out (nothing a refit of the plan's types changes stands in the way of a plan on the other type).
+    out (nothing a refit of the plan's types changes stands in the way of a plan on the other type),
+    and cpu_big priced 100x: the order of the plans does not hang on how fast cpu_big profiled (with
+    cpu_big only 50x as fast it could be the cheaper per sample, and once a first plan on it missed,
+    the refit of the PS type, cpu_small, left no plan to re-plan onto: one attempt, not two).
     At three times the first run's rate (no plan of this 2-core machine gets near it, the same floor
     test_run_refuses_a_floor_three_times_what_the_machine_does refuses), the cheapest plan (one stage
     on cpu_small) promises the floor and misses it; the refit model prices it as measured and the
@@ -126,6 +129,9 @@ def test_run_replans_in_closed_loop_after_an_optimistic_profile_misses_the_floor
     assert {s.type for s in first_plan.stages} == {"cpu_small"}
     measured = refit(load_problem(out / "problem.yaml"), first_plan, report.achieved_throughput)
     data = scale_times(scale_times(measured, 0.2, {"cpu_small"}), 0.02, {"cpu_big"}).to_dict()
+    for resource in data["resources"]:  # cpu_big priced out of the first plan, whatever its speed here
+        if resource["name"] == "cpu_big":
+            resource["price_per_hour"] *= 100.0
     data["ps"].pop("rows_per_second_per_shard", None)  # an unlimited PS
     if data.get("runtime"):
         data["runtime"].update(ps_wait_ms_per_row=0.0, ps_hosted_ms_per_row=0.0)
