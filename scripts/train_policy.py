@@ -13,10 +13,10 @@ it starts out scoring exactly as it did. The reward is the log cost ratio to eac
 heuristic plan, so the training curve (`curve` in policy.json) reads as "how much cheaper than the
 best simple plan, on average". The pool is drawn from seed + 1_000_000, so problems generated
 from small integer seeds (the benchmarks) are unseen.
-`--tune` runs Ray Tune with ASHA over the pretraining settings instead (experiments.tune.tune_policy):
-every trial pretrains for up to --env-steps env steps (a full run), is scored by the policy alone on
-held-out validation problems every --report-every env steps, and ASHA stops the trials behind; the
-best trial that ran the full length wins. The table goes to --tune-output (JSON) and stdout; with
+`--tune` runs Ray Tune with ASHA over the pretraining settings instead
+(experiments.policy_search.tune_policy): every trial pretrains for up to --env-steps env steps (a full
+run), is scored by the policy alone on held-out validation problems every --report-every env steps, and
+ASHA stops the trials behind; the best trial that ran the full length wins. The table goes to --tune-output (JSON) and stdout; with
 --ship, the winner's final weights go to --out (so the Tune command is the retrain command).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tune(args: argparse.Namespace, command: str) -> int:
-    from heterps_ray.experiments.tune import ship_policy, tune_policy
+    from heterps_ray.experiments.policy_search import ship_policy, tune_policy
 
     search = tune_policy(
         num_samples=args.samples,

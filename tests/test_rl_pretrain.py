@@ -106,7 +106,12 @@ def test_asha_tune_stops_trials_behind_and_ships_the_best_full_length_trial(ray_
     import torch
     from ray import tune
 
-    from heterps_ray.experiments.tune import POLICY_METRICS, asha_milestones, ship_policy, tune_policy
+    from heterps_ray.experiments.policy_search import (
+        POLICY_METRICS,
+        asha_milestones,
+        ship_policy,
+        tune_policy,
+    )
     from heterps_ray.scheduling.rl.policy import policy_metadata
 
     space = {

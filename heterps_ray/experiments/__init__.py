@@ -17,21 +17,18 @@ _LAZY = {
         (
             "DEFAULT_FLOORS",
             "Case",
-            "SweepResult",
             "check_schedulers",
             "compare_schedulers",
             "default_schedulers",
             "generate_problems",
-            "genetic_search_space",
             "load_problems",
             "make_cases",
             "make_scheduler",
             "plan_metrics",
-            "rl_search_space",
-            "sweep_scheduler",
         ),
-        "tune",
+        "compare",
     ),
+    **dict.fromkeys(("SweepResult", "genetic_search_space", "rl_search_space", "sweep_scheduler"), "sweep"),
 }
 
 

@@ -117,8 +117,8 @@ def _suite_arguments(p: argparse.ArgumentParser, floors: str) -> None:
 
 def _tune_schedulers(args: argparse.Namespace) -> int:
     from heterps_ray.errors import ConfigError
+    from heterps_ray.experiments.compare import check_schedulers, compare_schedulers
     from heterps_ray.experiments.plots import plot_cost_vs_floor, plot_ratio_to_exact
-    from heterps_ray.experiments.tune import check_schedulers, compare_schedulers
 
     if args.rl_iterations is not None and args.rl_iterations < 1:
         raise ConfigError(None, "--rl-iterations", "a positive integer", args.rl_iterations)
@@ -157,7 +157,7 @@ def _tune_schedulers(args: argparse.Namespace) -> int:
 
 def _tune_sweep(args: argparse.Namespace) -> int:
     from heterps_ray.errors import ConfigError
-    from heterps_ray.experiments.tune import sweep_scheduler
+    from heterps_ray.experiments.sweep import sweep_scheduler
 
     if args.num_samples < 1:
         raise ConfigError(None, "--num-samples", "a positive integer", args.num_samples)
@@ -197,7 +197,7 @@ def _tune_sweep(args: argparse.Namespace) -> int:
 
 def _suite(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
     from heterps_ray.errors import ConfigError
-    from heterps_ray.experiments.tune import generate_problems, load_problems
+    from heterps_ray.experiments.compare import generate_problems, load_problems
 
     try:
         floors = [float(x) for x in args.floors.split(",") if x.strip()]

@@ -45,7 +45,7 @@ def save_policy(module: Any, directory: str | Path, metadata: dict[str, Any]) ->
     state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     torch.save(state, directory / _WEIGHTS)
     # the numpy twin names the policy.pt it was made from: a policy.pt replaced alone (e.g. copied
-    # by experiments.tune.ship_policy) is then noticed, and planning falls back to it
+    # by experiments.policy_search.ship_policy) is then noticed, and planning falls back to it
     arrays = {k: v.numpy() for k, v in state.items()} | {_PT_HASH: np.array(_sha256(directory / _WEIGHTS))}
     np.savez(directory / _ARRAYS, **arrays)
     (directory / _META).write_text(json.dumps(metadata, indent=1, default=float) + "\n")
