@@ -43,47 +43,6 @@ def test_bundles_are_the_actors_a_plan_starts():
     ]
 
 
-# In a driver on the fake cluster: NodeRequest for the bundles of one cpu_small and two cpu_big
-# actors; prints its record and the nodes of each type once it returns, then clears the request.
-_REQUEST = """
-import json, sys, ray
-from heterps_ray.closedloop.autoscale import NodeRequest, actor_bundle
-from heterps_ray.config import load_cluster
-ray.init(address=sys.argv[1], log_to_driver=False)
-cluster = load_cluster(sys.argv[2])
-bundles = [actor_bundle(cluster, "cpu_small"), *[actor_bundle(cluster, "cpu_big")] * 2]
-with NodeRequest(cluster, bundles, "test", timeout_s=240) as nodes:
-    missing = nodes.wait()
-    up = {}
-    for n in ray.nodes():
-        for name in n["Resources"] if n["Alive"] else []:
-            if name in ("cpu_small", "cpu_big"):
-                up[name] = up.get(name, 0) + 1
-print(json.dumps({"missing": missing, "up": up, "record": nodes.record.to_dict()}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_node_request_brings_one_node_per_bundle_and_its_release_lets_them_go():
-    with LocalAutoscalingCluster(CLUSTER, idle_timeout_minutes=IDLE_MINUTES) as cluster:
-        assert cluster.nodes_by_type() == {}
-        asked = subprocess.run(
-            [sys.executable, "-c", _REQUEST, cluster.address, str(CLUSTER)],
-            cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
-        assert asked.returncode == 0, asked.stdout + asked.stderr
-        out = json.loads(asked.stdout.strip().splitlines()[-1])
-        gone_after = _wait_gone(cluster, within_s=120)
-    assert out["missing"] == [] and out["up"] == {"cpu_small": 1, "cpu_big": 2}, asked.stdout
-    record = out["record"]
-    assert record["requested"] == {"cpu_small": 1.0, "cpu_big": 2.0} and len(record["joined"]) == 3
-    assert record["seconds"] >= max(j["after_s"] for j in record["joined"])
-    assert record["cost"] > 0 and set(record["node_hours"]) == {"cpu_small", "cpu_big"}
-    assert "nodes: + cpu_big node" in asked.stdout and "all requested nodes up after" in asked.stdout
-    print(asked.stdout, f"released {gone_after:.0f} s after the request was cleared")
-
-
 def _split_problem(folder: Path) -> Path:
     """The local profiled problem (benchmarks/) on TINY_MODEL's layers (no fc3, fc4), the embedding 50x
     slower on cpu_big and the dense layers 50x slower on cpu_small: the cheapest plan is embedding@cpu_small | fc1..logit@cpu_big, one

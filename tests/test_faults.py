@@ -80,10 +80,7 @@ def undisturbed(ray_local, dataset, tmp_path_factory) -> RunSummary:
         ("ps_shard", "ray.kill"),
         ("data_worker", "ray.kill"),
         ("stage_worker", "sigkill"),
-        # the same recovery path again, with the other kill method: in the slow set
-        pytest.param("ps_shard", "sigkill", marks=pytest.mark.slow),
-        pytest.param("data_worker", "sigkill", marks=pytest.mark.slow),
-        pytest.param("stage_worker", "ray.kill", marks=pytest.mark.slow),
+        # each kind's other kill method is in the phase test below: every (kind, method) once
     ],
 )
 def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
@@ -129,9 +126,8 @@ def _same_model(summary: RunSummary, undisturbed: RunSummary) -> None:
         # after the last batch: evaluation and saving talk to the actors too
         ("data_worker", "evaluate", "sigkill"),
         ("stage_worker", "save", "ray.kill"),
-        # inside a checkpoint while training, and a PS shard evaluating: in the slow set
-        pytest.param("ps_shard", "checkpoint", "sigkill", marks=pytest.mark.slow),
-        pytest.param("ps_shard", "evaluate", "ray.kill", marks=pytest.mark.slow),
+        # inside a checkpoint while training
+        ("ps_shard", "checkpoint", "sigkill"),
     ],
 )
 def test_an_actor_dying_in_any_phase_ends_the_run_as_an_undisturbed_one(
