@@ -1,12 +1,13 @@
 """Live profiling: measure a model's layers, the PS and the links on every resource type of a Ray cluster.
 
-One pair of actors per resource type present in the cluster (pinned by the type's Ray resources,
-torch threads set, ``cuda`` where the type is a GPU type and a GPU is visible) runs every layer
-forward and backward (plus its Adam step) at several batch sizes, with warm-up and repeats; the
-same layer on one actor and on both at once gives the parallel fraction; messages of several sizes
-between actors give each type's bandwidth and latency; a real :class:`~heterps_ray.ps.shard.PSShard`
-gives the PS service rate. :func:`heterps_ray.profiling.fit.fit_problem` turns the measurements into
-a problem file.
+One pair of actors (:class:`~heterps_ray.profiling.actor.LayerProfiler`) per resource type present
+in the cluster (pinned by the type's Ray resources, torch threads set, ``cuda`` where the type is a
+GPU type and a GPU is visible) runs every layer forward and backward (plus its Adam step) at several
+batch sizes, with warm-up and repeats; the same layer on one actor and on both at once gives the
+parallel fraction; messages of several sizes between actors give each type's bandwidth and latency;
+a real :class:`~heterps_ray.ps.shard.PSShard` gives the PS service rate. This module starts the
+actors, says what each measures and gathers their numbers into rows (:class:`ProfileRun`);
+:func:`heterps_ray.profiling.fit.fit_problem` turns the measurements into a problem file.
 
 Example::
 
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,11 +33,11 @@ from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
+from heterps_ray.profiling.actor import LayerProfiler
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
 from heterps_ray.profiling.probes import PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
 
 _BYTES_PER_MB = 1 << 20
-_CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
 
 
 @dataclass(frozen=True)
@@ -128,229 +127,6 @@ class ProfileRun:
     actors: list[dict[str, Any]] = field(default_factory=list)
     skipped_types: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-class LayerProfiler:
-    """Runs single layers of a model forward + backward; one per actor (the narrow actor API)."""
-
-    def __init__(self, model: dict[str, Any], seed: int, torch_threads: int, device: str):
-        import torch
-
-        from heterps_ray.config import ModelConfig
-
-        torch.set_num_threads(torch_threads)
-        self._torch = torch
-        want_cuda = device == "cuda" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if want_cuda else "cpu")
-        self.spec = build_model(ModelConfig(**model))
-        self.layers = [self.spec.build(i, i + 1, seed).to(self.device) for i in range(self.spec.num_layers)]
-        # index len(layers): the whole model as one stage (one autograd pass, one optimizer step), as a
-        # StageWorker runs its layers; against the layers alone it shows the fixed time a stage shares
-        self.layers.append(self.spec.build(0, self.spec.num_layers, seed).to(self.device))
-        self.optimizers = [
-            torch.optim.Adam(layer.parameters(), lr=1e-3) if any(True for _ in layer.parameters()) else None
-            for layer in self.layers
-        ]
-        self._inputs: dict[int, list[tuple[Any, ...]]] = {}
-        self._grads: dict[tuple[int, int], tuple[Any, ...]] = {}
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "torch_threads": self._torch.get_num_threads(),
-            "resources": ray.get_runtime_context().get_assigned_resources(),
-        }
-
-    def time_layers(self, items: list[tuple[int, int]], warmup: int, seed: int) -> list[tuple[float, float]]:
-        """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item
-        (index num_layers: the whole model as one stage), in a shuffled order (so a burst of noise
-        from elsewhere does not hit one item's repeats)."""
-        for index, batch_size in items:
-            for _ in range(warmup):
-                self._step(index, batch_size)
-        order = np.random.default_rng(seed).permutation(len(items))
-        out: list[tuple[float, float]] = [(0.0, 0.0)] * len(items)
-        for i in order:
-            out[i] = self._step(*items[i])
-        return out
-
-    def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
-        """Run layer `index` forward + backward for about `budget_ms`; returns (calls, ms), for the
-        1- vs 2-replica comparison."""
-        start = time.perf_counter()
-        calls, elapsed = 0, 0.0
-        while calls < 2 or elapsed < budget_ms:
-            self._step(index, batch_size)
-            calls += 1
-            elapsed = (time.perf_counter() - start) * 1000.0
-        return calls, elapsed
-
-    def host_load(self, window_s: float) -> tuple[str, int, float, float]:
-        """(node id, cores this process may use, window ms, CPU ms the rest of the machine used in
-        the window) while this actor sleeps: the machine's cores and their background load."""
-        import psutil
-
-        def busy_s() -> float:
-            t = psutil.cpu_times()
-            return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
-        me = psutil.Process()
-        own0, all0, t0 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
-        time.sleep(window_s)
-        own1, all1, t1 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        node = ray.get_runtime_context().get_node_id()
-        return node, cores, (t1 - t0) * 1000.0, max((all1 - all0) - (own1 - own0), 0.0) * 1000.0
-
-    def call_cpu(self, peer: Any, calls: int) -> tuple[float, float]:
-        """(window ms, CPU ms of this node's raylet) while making `calls` calls to `peer` one after the
-        other, each with an activation-sized argument (256 KiB: through the object store, as the
-        pipeline's are): Ray's own work per call, which on a shared host takes a core beside the
-        actors. NaN when the raylet cannot be found (not this actor's parent)."""
-        import psutil
-
-        raylet = psutil.Process().parent()
-        if raylet is None or "raylet" not in raylet.name():
-            return 0.0, math.nan
-        payload = np.ones(_CALL_PAYLOAD_BYTES // 4, dtype=np.float32)
-        ray.get(peer.receive.remote(payload))
-        before, t0 = sum(raylet.cpu_times()[:2]), time.perf_counter()
-        for _ in range(calls):
-            ray.get(peer.receive.remote(payload))
-        window = (time.perf_counter() - t0) * 1000.0
-        return window, (sum(raylet.cpu_times()[:2]) - before) * 1000.0
-
-    def send(self, peer: Any, nbytes: int, repeats: int) -> list[float]:
-        """Send `nbytes` to actor `peer` `repeats` times (after one warm-up); ms per message,
-        measured here from the call until the peer has received it."""
-        payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-        ray.get(peer.receive.remote(payload))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            ray.get(peer.receive.remote(payload))
-            times.append((time.perf_counter() - start) * 1000.0)
-        return times
-
-    def receive(self, payload: np.ndarray) -> int:
-        return int(payload[-1] > 0) + int(payload.nbytes)
-
-    def call_rate(self, peer: Any, nbytes: int, calls: int, window: int = 4) -> float:
-        """ms for `calls` calls of `peer.echo` carrying `nbytes` each, `window` in flight, so the peer
-        is never idle: its own work per call received (Ray deserialising the argument, running the
-        task, storing an as large result), as a StageWorker's calls cost it besides its layers."""
-        payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-        ray.get(peer.echo.remote(payload))
-        pending: deque[Any] = deque()
-        start = time.perf_counter()
-        for _ in range(calls):
-            if len(pending) >= window:
-                ray.get(pending.popleft())
-            pending.append(peer.echo.remote(payload))
-        ray.get(list(pending))
-        return (time.perf_counter() - start) * 1000.0
-
-    def echo(self, payload: np.ndarray) -> np.ndarray:
-        return np.empty_like(payload)  # a result as large as the argument, like a stage's activations
-
-    def ps_round_trips(
-        self, shards: list[Any], batches: list[np.ndarray], dim: int
-    ) -> tuple[float, float, float]:
-        """(pull ms, push ms, push ms spent here) summed over one pull+push of each key batch through
-        a PSClient, as a DataWorker makes them (each waited for; unseen keys create rows, as in
-        training). The third part is the client's own work (de-duplicating and summing gradients)."""
-        from heterps_ray.ps.shard import PSClient
-
-        client = PSClient(shards)
-        pull_ms = push_ms = client_ms = 0.0
-        for keys in batches:
-            grads = np.full((*keys.shape, dim), 1e-3, dtype=np.float32)
-            t0 = time.perf_counter()
-            client.pull("embedding", keys)
-            t1 = time.perf_counter()
-            refs = client.push("embedding", keys, grads)
-            t2 = time.perf_counter()
-            ray.get(refs)
-            t3 = time.perf_counter()
-            pull_ms += (t1 - t0) * 1000.0
-            push_ms += (t3 - t1) * 1000.0
-            client_ms += (t2 - t1) * 1000.0
-        return pull_ms, push_ms, client_ms
-
-    def dense_pushes(self, shard: Any, params: int, calls: int) -> float:
-        """ms for `calls` async-mode dense pushes (Adam on the PS) of a table of `params` floats."""
-        grads = {"w": np.full(params, 1e-3, dtype=np.float32)}
-        ray.get(
-            shard.register_dense.remote("profile", {"w": np.zeros(params, dtype=np.float32)}, "adam", 1e-3)
-        )
-        ray.get(shard.push_dense.remote("profile", grads))
-        start = time.perf_counter()
-        for _ in range(calls):
-            ray.get(shard.push_dense.remote("profile", grads))
-        return (time.perf_counter() - start) * 1000.0
-
-    def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float, float]:
-        """(rows, ms, setup ms) to read and convert `rows` rows of a dataset into batches, as a
-        DataWorker does (the dataset converts whole chunks, so `rows` should be a chunk or the whole
-        split). Setup is opening the dataset: imports on a worker's first call, a one-time cost."""
-        start = time.perf_counter()
-        from heterps_ray.data.dataset import Dataset
-
-        dataset = Dataset(path)
-        dataset.num_rows("train")
-        setup_ms = (time.perf_counter() - start) * 1000.0
-        done = 0
-        start = time.perf_counter()
-        for batch in dataset.iter_batches("train", batch_size, drop_last=False):
-            done += len(batch["label"])
-            if done >= rows:
-                break
-        return done, (time.perf_counter() - start) * 1000.0, setup_ms
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _step(self, index: int, batch_size: int) -> tuple[float, float]:
-        torch = self._torch
-        inputs = self._layer_inputs(batch_size)[0 if index == self.spec.num_layers else index]
-        for x in inputs:
-            x.grad = None
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        out = self.layers[index](inputs)
-        sync()
-        t1 = time.perf_counter()
-        key = (index, batch_size)
-        if key not in self._grads:
-            self._grads[key] = tuple(torch.randn_like(o) for o in out)
-        torch.autograd.backward(out, self._grads[key])
-        optimizer = self.optimizers[index]
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        sync()
-        t2 = time.perf_counter()
-        return (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
-
-    def _layer_inputs(self, batch_size: int) -> list[tuple[Any, ...]]:
-        """The input of every layer at `batch_size`: random model inputs run through the chain once."""
-        if batch_size not in self._inputs:
-            torch = self._torch
-            gen = torch.Generator().manual_seed(batch_size)
-            spec = self.spec
-            x: tuple[Any, ...] = (
-                torch.randn(batch_size, spec.num_dense, generator=gen),
-                torch.randn(batch_size, spec.num_slots, spec.embedding_dim, generator=gen) * 0.01,
-            )
-            inputs = []
-            with torch.no_grad():
-                for layer in self.layers[: spec.num_layers]:
-                    x = tuple(t.to(self.device) for t in x)
-                    inputs.append(tuple(_leaf(t) for t in x))
-                    x = layer(x)
-            self._inputs[batch_size] = inputs
-        return self._inputs[batch_size]
 
 
 def profile(
@@ -748,11 +524,3 @@ def _synthetic_keys(batch_size: int, num_slots: int, rng: np.random.Generator) -
     ids = rng.zipf(1.2, size=(batch_size, num_slots)) % 1_000_003
     slots = np.arange(num_slots, dtype=np.int64)[None, :]
     return (ids.astype(np.int64) * 1_000_003 + slots * 7_919) ^ np.int64(0x2545F4914F6CDD1D)
-
-
-def _leaf(t: Any) -> Any:
-    """A detached copy that collects a gradient (float tensors only)."""
-    leaf = t.detach().clone()
-    if leaf.is_floating_point():
-        leaf.requires_grad_(True)
-    return leaf
