@@ -99,6 +99,21 @@ def _merge_results(path: Path, key: str, value: Any) -> None:
         tmp.replace(path)
 
 
+def _against_calm(work: Path, out: Path, steps: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The faulted run in `out` against the undisturbed one in work/calm: (its summary, the calm summary,
+    the outcome fields of a result: AUCs, batch counts, model difference and ok)."""
+    summary = json.loads((out / "run_summary.json").read_text())
+    calm_summary = json.loads((work / "calm" / "run_summary.json").read_text())
+    diff = _model_diff(work / "calm" / "model", out / "model")
+    extra = summary["extra"]
+    batches = [extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]]
+    ok = bool(
+        diff["same_keys"] and diff["max_abs"] <= SYNC_ATOL and summary["steps"] == steps and batches == [steps, 0, 0]
+    )
+    outcome = {"auc": summary["auc"], "auc_undisturbed": calm_summary["auc"], "batches": batches, "model_diff": diff, "ok": ok}
+    return summary, calm_summary, outcome
+
+
 def _model_diff(a: Path, b: Path) -> dict[str, Any]:
     """Largest absolute differences between two saved models (output_dir/model)."""
     ca, cb = load_checkpoint(a), load_checkpoint(b)
@@ -710,32 +725,21 @@ def part_driver(args: argparse.Namespace) -> dict[str, Any]:
     code = proc.wait()
     chaos_wall = time.perf_counter() - t_all
     assert code == 0, (work / "chaos.log").read_text()[-3000:]
-    summary = json.loads((out / "run_summary.json").read_text())
-    calm_summary = json.loads((work / "calm" / "run_summary.json").read_text())
-    diff = _model_diff(work / "calm" / "model", out / "model")
-    extra = summary["extra"]
-    ok = bool(
-        diff["same_keys"] and diff["max_abs"] <= SYNC_ATOL and summary["steps"] == steps
-        and (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (steps, 0, 0)
-    )  # fmt: skip
+    summary, calm_summary, outcome = _against_calm(work, out, steps)
     result = {
         "steps": steps,
         "every": every,
         "kills": kills,
-        "resumed_from": extra.get("resumed_from"),
+        "resumed_from": summary["extra"].get("resumed_from"),
         "undisturbed_wall_s": calm_wall,
         "faulted_wall_s": chaos_wall,
         "time_lost_per_kill_s": (chaos_wall - calm_wall) / max(len(kills), 1),
-        "auc": summary["auc"],
-        "auc_undisturbed": calm_summary["auc"],
-        "batches": [extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]],
-        "model_diff": diff,
+        **outcome,
         "checkpoint_overhead_undisturbed": sum(calm_summary["extra"].get("checkpoint_seconds") or [])
         / calm_summary["seconds"],
-        "ok": ok,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    _log(f"driver: ok={ok} max abs diff {diff['max_abs']:.2e}")
+    _log(f"driver: ok={result['ok']} max abs diff {outcome['model_diff']['max_abs']:.2e}")
     return result
 
 
@@ -815,16 +819,9 @@ def part_nodes(args: argparse.Namespace) -> dict[str, Any]:
         assert code == 0, log.read_text()[-3000:]
     finally:
         cluster.close()
-    summary = json.loads((out / "run_summary.json").read_text())
+    summary, _, outcome = _against_calm(work, out, steps)
     report = json.loads((out / "run_report.json").read_text())
-    calm_summary = json.loads((work / "calm" / "run_summary.json").read_text())
-    diff = _model_diff(work / "calm" / "model", out / "model")
-    extra = summary["extra"]
-    ok = bool(
-        diff["same_keys"] and diff["max_abs"] <= SYNC_ATOL and summary["steps"] == steps
-        and (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (steps, 0, 0)
-        and len(report["replans"]) == 2
-    )  # fmt: skip
+    outcome["ok"] = outcome["ok"] and len(report["replans"]) == 2
     result = {
         "steps": steps,
         "every": every,
@@ -834,14 +831,10 @@ def part_nodes(args: argparse.Namespace) -> dict[str, Any]:
         "undisturbed_wall_s": calm_wall,
         "faulted_wall_s": chaos_wall,
         "time_lost_per_event_s": (chaos_wall - calm_wall) / 2,
-        "auc": summary["auc"],
-        "auc_undisturbed": calm_summary["auc"],
-        "batches": [extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]],
-        "model_diff": diff,
-        "ok": ok,
+        **outcome,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    _log(f"nodes: ok={ok} max abs diff {diff['max_abs']:.2e}, replans {len(report['replans'])}")
+    _log(f"nodes: ok={result['ok']} max abs diff {outcome['model_diff']['max_abs']:.2e}, replans {len(report['replans'])}")
     return result
 
 
