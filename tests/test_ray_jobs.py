@@ -167,12 +167,12 @@ def test_heterps_run_submitted_as_ray_job_succeeds_and_writes_its_report():
         summary = json.loads((output_dir / "run_summary.json").read_text())
         assert summary["steps"] == 20 and summary["samples"] == 20 * 512
         # the plan promises the floor, and the run reached it (20 batches: too short for the closed
-        # loop's steady-rate check, so floor_met says "not measured")
+        # loop's steady-rate check, but its rate with the warm-up in it already clears the floor)
         assert plan["feasible"] and report["predicted_throughput"] == pytest.approx(plan["throughput"])
         assert report["predicted_throughput"] >= 500 and report["throughput_min"] == 500
         achieved = summary["steady_throughput"] or summary["throughput"]
         assert report["achieved_throughput"] == pytest.approx(achieved) and achieved >= 500
-        assert report["floor_met"] is None
+        assert summary["throughput"] >= 0.9 * 500 and report["floor_met"] is True
         # sync training: the model of the reference trainer on the same 20 batches of the same data
         _assert_trains_like_the_reference(job_file, summary, report)
     finally:

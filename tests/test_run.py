@@ -74,14 +74,9 @@ def test_run_profiles_plans_trains_and_reports(first_run):
     assert all(stage["replicas"] == 1 for stage in plan["stages"])  # sync: one replica per stage
     assert plan["throughput"] >= FLOOR
     assert report.predicted_throughput == pytest.approx(plan["throughput"])
-    # the simulator's steady state of the same plan, from the same profile (its measured details in it)
-    from heterps_ray.costmodel import load_problem
-    from heterps_ray.costmodel.simulator import simulate
-
-    again = simulate(load_problem(out / "problem.yaml"), plan, batches=100, micro_batches=job.runtime.micro_batches,
-                     max_in_flight=job.runtime.max_in_flight, drain_every=20, startup_ms=0.0)  # fmt: skip
-    assert report.simulated_throughput == pytest.approx(again.throughput)
-    assert "simulated" in report.table() and "(cost model)" in report.table()
+    # one prediction: the cost model's (the simulator is a what-if tool, not in the report)
+    assert "simulated" not in report.table() and "(cost model)" in report.table()
+    assert not hasattr(report, "simulated_throughput")
     assert report.cost_rate == pytest.approx(plan["cost_rate"])
     assert report.projected_cost == pytest.approx(
         report.cost_rate * job.samples / report.achieved_throughput / 3600
