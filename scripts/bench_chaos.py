@@ -57,6 +57,7 @@ import numpy as np
 import ray
 import yaml
 
+from heterps_ray.cluster import init_kwargs
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.data.layout import is_dataset
@@ -393,15 +394,7 @@ def _start_ray(attempts: int = 4) -> None:
     cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
     for attempt in range(attempts):
         try:
-            ray.init(
-                address="local",
-                num_cpus=2,
-                resources=cluster.local_resources(),
-                object_store_memory=512 * 1024 * 1024,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            ray.init(**init_kwargs(cluster))
             return
         except Exception as exc:
             _log(f"ray start failed ({exc}); attempt {attempt + 1} of {attempts}")

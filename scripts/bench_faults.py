@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from heterps_ray.cluster import init_kwargs
 from heterps_ray.config import JobConfig, load_cluster
 from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.data.layout import is_dataset
@@ -86,15 +87,7 @@ def main() -> None:
     if not is_dataset(data):
         synthesize(data, args.rows, seed=2, rows_per_part=max(args.rows // 4, 1))
     cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
-    ray.init(  # an embedded local Ray declaring the cluster's resource types, as the tests' one
-        address="local",
-        num_cpus=2,
-        resources=cluster.local_resources(),
-        object_store_memory=512 * 1024 * 1024,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    ray.init(**init_kwargs(cluster))  # the embedded Ray a user gets, as the tests use
     rows: list[dict[str, Any]] = []
     for mode in ("sync", "async"):
         _wait_quiet()

@@ -1,5 +1,6 @@
-"""One real local Ray for the whole test session (start-up costs seconds), with the custom
-resources of configs/clusters/local.yaml declared, so actors are admitted per resource type."""
+"""One real local Ray for the whole test session (start-up costs seconds): the product's embedded Ray
+(cluster.init_kwargs) with the custom resources of configs/clusters/local.yaml declared, so actors
+are admitted per resource type as in a user's run."""
 
 from __future__ import annotations
 
@@ -21,21 +22,15 @@ def ray_local():
     """A real local Ray instance shared by every test that needs one."""
     import ray
 
+    from heterps_ray.cluster import init_kwargs
     from heterps_ray.config import load_cluster
 
     cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
     if not ray.is_initialized():
-        # address="local": always a fresh embedded instance, even when a `ray start` cluster
-        # (e.g. the job-submission test's) is running on this machine.
-        ray.init(
-            address="local",
-            num_cpus=2,
-            resources=cluster.local_resources(),
-            object_store_memory=512 * 1024 * 1024,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        # the Ray a user's embedded run gets (heterps_ray.cluster.init_kwargs: its object store, its
+        # _system_config), on the machine's CPU count; address="local": always a fresh embedded
+        # instance, even when a `ray start` cluster (e.g. the job-submission test's) runs here.
+        ray.init(**init_kwargs(cluster))
     yield ray
     ray.shutdown()
 
