@@ -50,6 +50,7 @@ def _job(tmp_path: Path, **changes) -> Path:
 # and for the model to learn: 40,000 rows, 36,000 to train on, 5 epochs of 281 batches of 128
 # (~7 s at the ~27,000 samples/s measured here).
 ROWS = 40_000
+PROFILE_PARTS = ("layers", "probes", "fit")
 FLOOR = 1_000  # samples/s: well under what the tiny model trains at here, so it must be met
 
 
@@ -254,7 +255,12 @@ def test_readme_main_command_runs_the_quickstart_job(tmp_path):
         saved["cost_rate"] * job.samples / saved["achieved_throughput"] / 3600
     )
     assert saved["predicted_cost"] == pytest.approx(plan["cost"]) and saved["output_dir"] == str(out)
-    assert set(saved["seconds"]) == {"data", "profile", "plan", "train"}
+    assert set(saved["seconds"]) == {"data", "profile", "plan", "train", *(f"profile.{p}" for p in PROFILE_PARTS)}
+    # the profile's parts (the layers on each type's actors, the runtime probes, the fit) fill it
+    parts = sum(saved["seconds"][f"profile.{p}"] for p in PROFILE_PARTS)
+    assert 0.9 * saved["seconds"]["profile"] <= parts <= saved["seconds"]["profile"]
+    assert "runtime probes" in ran.stderr and "4/4" in ran.stderr  # the probes' progress bar
+    assert f"probes {saved['seconds']['profile.probes']:.1f}s" in printed  # the report's time line
     for line in ("plan by rl", "run 'quickstart': scheduler rl", "met (achieved >= 90% of it)", "AUC"):
         assert line in printed, line
     assert f"wrote {out}/{REPORT_FILE}" in printed

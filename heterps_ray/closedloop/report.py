@@ -37,7 +37,7 @@ class RunReport:
     predicted_cost: float  # $ to train job.samples at the predicted throughput
     auc: float | None
     logloss: float | None
-    seconds: dict[str, float]  # wall time of each phase
+    seconds: dict[str, float]  # wall time of each phase; "phase.part": a part of one (profile.probes)
     output_dir: str
     throughput_min: float = 0.0  # samples/s, the job's floor
     # achieved >= 90% of the floor (runtime/loop.py FLOOR_SHORTFALL); None: a run too short to
@@ -84,8 +84,7 @@ class RunReport:
                 f"{self.node_wait_cost:.6f} $ idle meanwhile"
                 + (f"; never came: {missing}" if missing else "")
             )
-        phases = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
-        lines.append(f"  time        {phases}")
+        lines.append(f"  time        {time_line(self.seconds)}")
         return "\n".join(lines)
 
     def save(self, out: Path) -> Path:
@@ -160,6 +159,20 @@ def floor_error(job: JobConfig, measured: list[float], why: str) -> InfeasibleEr
         f"(runs: {', '.join(f'{m:,.0f}' for m in measured)}). Lower throughput_min to at most "
         f"{best / 0.9:,.0f}, or raise max_instances of a resource type. Details in {REPORT_FILE}.",
         best,
+    )
+
+
+def time_line(seconds: dict[str, float]) -> str:
+    """Each phase's wall time; a phase's parts ("profile.probes") in brackets after it."""
+    parts: dict[str, list[str]] = {}
+    for key, took in seconds.items():
+        phase, _, part = key.partition(".")
+        if part:
+            parts.setdefault(phase, []).append(f"{part} {took:.1f}s")
+    return ", ".join(
+        f"{key} {took:.1f}s" + (f" ({', '.join(parts[key])})" if key in parts else "")
+        for key, took in seconds.items()
+        if "." not in key
     )
 
 

@@ -141,7 +141,7 @@ def _plan(
     """The problem (profiled, or the given file) and the scheduler's plan for it (output_dir/plan.json).
     On an autoscaling cluster a profile runs on one node of each type, requested for it (`waits`)."""
     with _timed(seconds, "profile"), profile_nodes(job, waits, wanted=problem_file is None):
-        problem = _problem(job, settings, out, problem_file)
+        problem = _problem(job, settings, out, problem_file, seconds)
     with _timed(seconds, "plan"):
         plan = feasible(scheduler.schedule(problem), problem, job)
     print(plan.table())
@@ -167,13 +167,19 @@ def _claim(out: Path, overwrite: bool) -> None:
 
 
 def _problem(
-    job: JobConfig, settings: ProfileSettings, out: Path, problem_file: str | Path | None
+    job: JobConfig,
+    settings: ProfileSettings,
+    out: Path,
+    problem_file: str | Path | None,
+    seconds: dict[str, float],
 ) -> Problem:
-    """The problem to plan on: the given file, or a profile of the live cluster (output_dir/problem.yaml)."""
+    """The problem to plan on: the given file, or a profile of the live cluster (output_dir/problem.yaml);
+    the profile's parts go into `seconds` as "profile.<part>" (layers, probes, fit)."""
     if problem_file is not None:
         problem = given_problem(Path(problem_file), job, out / "problem.yaml")
     else:
         fit = profile_job(job, settings)
+        seconds.update({f"profile.{part}": took for part, took in fit.seconds.items()})
         path = write_problem(fit, out / "problem.yaml")["problem"]
         problem = load_problem(path)
         if fit.flags:

@@ -97,6 +97,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(
         f"  raw measurements {paths['measurements']}, fit quality {paths['quality']}"
     )
+    print("  took " + ", ".join(f"{part} {took:.1f}s" for part, took in result.seconds.items()))
     if result.flags:
         print(f"{len(result.flags)} poor fits (R² < 0.9, negative or clipped coefficients):")
         for flag in result.flags:

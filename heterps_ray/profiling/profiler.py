@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -127,6 +128,7 @@ class ProfileRun:
     actors: list[dict[str, Any]] = field(default_factory=list)
     skipped_types: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time: "layers" (actors' timings), "probes"
 
 
 def profile(
@@ -159,6 +161,7 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         )
         for layer in spec.layers
     ]
+    started = time.perf_counter()
     result = fit_problem(
         pd.concat(frames, ignore_index=True),
         cluster=job.cluster,
@@ -182,6 +185,10 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
     if result.flags:
         notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
     result.problem["notes"] = "\n".join(notes)
+    for run in runs:
+        for part, took in run.seconds.items():
+            result.seconds[part] = result.seconds.get(part, 0.0) + took
+    result.seconds["fit"] = time.perf_counter() - started
     return result
 
 
@@ -210,6 +217,7 @@ def measure(
             "or ProfileSettings(probe_steps=None) for no probes"
         )
 
+    started = time.perf_counter()
     available = ray.cluster_resources()
     present = [t for t in job.cluster.resource_types if available.get(t.name, 0) >= 1]
     skipped = [t.name for t in job.cluster.resource_types if t not in present]
@@ -238,6 +246,7 @@ def measure(
 
     rows: list[_Row] = []
     notes: list[str] = []
+    seconds: dict[str, float] = {}
     load_before = os.getloadavg()[0]
     pair_batch = min(job.batch_size, max(settings.batch_sizes))
     total = (
@@ -272,8 +281,11 @@ def measure(
         for group in actors.values():
             for actor in group:
                 ray.kill(actor)
+    seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the actors are gone: slots free
+        started = time.perf_counter()
         rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe)
+        seconds["probes"] = time.perf_counter() - started
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
     # Other processes on the machine inflate (and scatter) every time measured here; say how busy it was.
@@ -281,7 +293,7 @@ def measure(
         f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)"
     )
     frame = pd.DataFrame([r.__dict__ for r in rows], columns=list(COLUMNS))
-    return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes)
+    return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes, seconds=seconds)
 
 
 def _probe_runs(
@@ -290,6 +302,8 @@ def _probe_runs(
     """The runtime probes (probes.py): one row per probe with its steady ms per batch, on the job's
     data (a synthetic dataset as large as the probes read when the job has none yet)."""
     import tempfile
+
+    from tqdm.auto import tqdm
 
     from heterps_ray.data import DEFAULT_EVAL_FRACTION
 
@@ -304,17 +318,29 @@ def _probe_runs(
         rows = int(steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
         synthesize(path, rows, seed=settings.seed)
         job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
+    plans = probe_plans(job, layers, types)
+    bar = tqdm(total=len(plans), desc="runtime probes", unit="probe", disable=not settings.progress)
     try:
         out = []
-        for caller, callee, split in probe_plans(job, layers, types):
+        for caller, callee, split in plans:
+            bar.set_postfix_str(_probe_label(layers, caller, callee, split, steps))
             ms = run_probe(job, layers, caller, callee, split, steps)
+            bar.update()
             resource, peer = (callee, caller) if callee else (caller, "")
             out.append(_Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
                             ms=ms))  # fmt: skip
         return out
     finally:
+        bar.close()
         if scratch is not None:
             scratch.cleanup()
+
+
+def _probe_label(layers: list[str], caller: str, callee: str, split: int, steps: int) -> str:
+    """What a probe trains, for its progress line: its stages as first..last layer @ type."""
+    first = f"{layers[0]}..{layers[split - 1]}@{caller}"
+    rest = f" -> {layers[split]}..{layers[-1]}@{callee}" if callee else ""
+    return f"{first}{rest}, {steps} batches"
 
 
 def _layer_rounds(
