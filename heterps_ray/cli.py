@@ -83,6 +83,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
+    finally:
+        _release_warm_actors()
+
+
+def _release_warm_actors() -> None:
+    """A command is its driver's whole work: the actors it kept warm between its own runs (probes,
+    re-plans) go with it, also when it ran in a process that keeps Ray (a notebook, the tests)."""
+    if "heterps_ray.runtime.warm" in sys.modules:
+        from heterps_ray.runtime.warm import release_idle
+
+        release_idle()
 
 
 def _user_error(exc: BaseException) -> HeterPSError | None:

@@ -9,10 +9,14 @@ from heterps_ray.profiling.fit import FitResult
 from heterps_ray.profiling.probes import PROBE_STEPS, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
 from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.warm import release_idle
 
 
 def profile_job(job: JobConfig, settings: ProfileSettings) -> FitResult:
-    """The job's whole profile on the live Ray: every layer on every type, then the runtime probes."""
+    """The job's whole profile on the live Ray: every layer on every type, then the runtime probes
+    (which reuse one another's actors, warm.py; they stay warm for the run that follows). Idle warm
+    actors of an earlier run go first: the profiling actors need their resources."""
+    release_idle()
     return profile(job, settings, run_probe)
 
 

@@ -12,6 +12,7 @@ from heterps_ray.costmodel import Problem, load_problem, problem_from_dict
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.profiler import ProfileSettings, fit_runs, measure
+from heterps_ray.runtime.warm import release_idle
 
 
 def given_problem(path: Path, job: JobConfig, copy: Path) -> Problem:
@@ -85,6 +86,7 @@ def profile_joined_types(
         }
     )
     both = job.model_copy(update={"cluster": cluster})
+    release_idle()  # the profiling actors need the slots idle warm actors hold
     fitted = fit_runs(both, [measure(both, build_model(job.model), settings, run_probe)], settings).problem
     data = problem.to_dict()
     data["resources"] += [r for r in fitted["resources"] if r["name"] in joined]

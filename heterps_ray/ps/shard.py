@@ -37,6 +37,7 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import npz_bytes, read_npz, write_bytes_atomic
 from heterps_ray.ps.table import SparseTable, max_rows_for, splitmix64, sum_rows
+from heterps_ray.reusable import Reusable
 
 if TYPE_CHECKING:
     from heterps_ray.config import JobConfig
@@ -153,7 +154,7 @@ class _ShardMetrics:
             m.set_default_tags(tags)
 
 
-class PSShard:
+class PSShard(Reusable):
     """One shard: a SparseTable per sparse table name (its hash partition) and whole dense tables.
 
     Run it as a Ray actor (:func:`start_shards`); methods take and return numpy arrays.

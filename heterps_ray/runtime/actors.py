@@ -23,6 +23,7 @@ from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
+from heterps_ray.runtime import warm
 from heterps_ray.runtime.pipeline import StageSpec
 from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
 from heterps_ray.runtime.workers import (
@@ -93,16 +94,18 @@ class ActorSet:
     def new_shard(self, index: int) -> Any:
         cluster = self.job.cluster
         options = cluster.type(cluster.ps_resource).actor_options()
-        return (
-            ray.remote(PSShard).options(**options).remote(index, self.num_shards, {SPARSE_TABLE: self.table})
-        )
+        return warm.spawn(PSShard, options, index, self.num_shards, {SPARSE_TABLE: self.table})
 
     def new_stage_worker(self, stage: StageSpec, replica: int) -> Any:
         options = self.job.cluster.type(stage.type).actor_options()
-        return (
-            ray.remote(StageWorker)
-            .options(**options)
-            .remote(stage, replica, self.model, self.worker_settings(stage), self.dense_ps(stage))
+        return warm.spawn(
+            StageWorker,
+            options,
+            stage,
+            replica,
+            self.model,
+            self.worker_settings(stage),
+            self.dense_ps(stage),
         )
 
     def new_data_worker(self, index: int) -> Any:
@@ -120,20 +123,18 @@ class ActorSet:
         )
         options = self.job.cluster.type(stage0.type).actor_options()
         shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
-        return (
-            ray.remote(DataWorker)
-            .options(**options)
-            .remote(
-                index,
-                stage0,
-                self.model,
-                self.worker_settings(stage0),
-                data,
-                self.stage_workers,
-                shards,
-                self.dense_ps(stage0),
-                self.generation,
-            )
+        return warm.spawn(
+            DataWorker,
+            options,
+            index,
+            stage0,
+            self.model,
+            self.worker_settings(stage0),
+            data,
+            self.stage_workers,
+            shards,
+            self.dense_ps(stage0),
+            self.generation,
         )
 
     def start(self) -> list[dict[str, Any]]:
@@ -274,13 +275,20 @@ class ActorSet:
         ]
         ray.get(refs)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """End the set's actors; `keep_warm` (the run is quiescent: no call of it in flight): keep them
+        idle for the next run in this driver (warm.py) instead of killing them."""
         # compiled chains first: their actors' loops end cleanly before the actors are killed
         ray.wait(
             [w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10
         )
-        for *_, actor in self.all_actors():
-            ray.kill(actor)
+        classes = {"ps_shard": PSShard, "stage_worker": StageWorker, "data_worker": DataWorker}
+        for kind, stage, _, actor in self.all_actors():
+            if keep_warm:
+                options = self.job.cluster.type(self.type_of(kind, stage)).actor_options()
+                warm.keep_warm(actor, classes[kind], options)
+            else:
+                ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
 
 

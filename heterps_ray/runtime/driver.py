@@ -38,9 +38,9 @@ from heterps_ray.runtime.checkpoint import (
     jsonable,
     remove_leftovers,
 )
-from heterps_ray.runtime.elastic import present_types
+from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.finish import accounting, evaluate, save_model
-from heterps_ray.runtime.loop import ChunkLoop, LiveActors, LoopSettings, steady_rate
+from heterps_ray.runtime.loop import ChunkLoop, FloorMissed, LiveActors, LoopSettings, steady_rate
 from heterps_ray.runtime.pipeline import StageSpec, check_capacity, resolve_stages
 from heterps_ray.runtime.recovery import Recovery
 from heterps_ray.runtime.snapshots import CheckpointSaver, StateStore, resume_point
@@ -137,6 +137,9 @@ def train(
     store = StateStore(actors)
     recovery = Recovery(actors, store)
     tracker: RunTracker | None = None  # TensorBoard events in output_dir/tensorboard (and MLflow)
+    # the actors stay warm for this driver's next run when this one ends quiescent: trained to the end,
+    # or stopped between chunks for a re-plan; after any other error they are killed
+    quiescent = False
     try:
         placement = actors.start()
         if start:
@@ -222,11 +225,15 @@ def train(
                     f"{output_dir}: the trained model could not be written ({exc}); the trained state is in "
                     f"{where}: make room and run again with --resume to evaluate and save it"
                 ) from exc
+        quiescent = True
         return summary
+    except (FloorMissed, ResourcesChanged) as stop:
+        quiescent = getattr(stop, "between_chunks", True)
+        raise
     finally:
         if tracker is not None:
             tracker.close()
-        actors.shutdown()
+        actors.shutdown(keep_warm=quiescent and not owns_ray)
         if owns_ray:
             ray.shutdown()
 

@@ -17,8 +17,18 @@ from heterps_ray.config import ClusterConfig
 class ResourcesChanged(Exception):
     """The cluster's resource types changed mid-run; resume from `checkpoint` (None: from the start)."""
 
-    def __init__(self, reason: str, before: list[str], now: list[str], step: int, checkpoint: Path | None):
+    def __init__(
+        self,
+        reason: str,
+        before: list[str],
+        now: list[str],
+        step: int,
+        checkpoint: Path | None,
+        between_chunks: bool = False,
+    ):
         self.reason, self.before, self.now, self.step, self.checkpoint = reason, before, now, step, checkpoint
+        # raised by the chunk loop between chunks: no call of the run in flight, its live actors reusable
+        self.between_chunks = between_chunks
         super().__init__(f"{reason} at step {step} (types before {before}, now {now})")
 
 

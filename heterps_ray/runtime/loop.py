@@ -143,7 +143,7 @@ class ChunkLoop:
                         reason = change_reason(types_before, now, self.plan_types)
                         if reason is not None:
                             checkpoint = self._checkpoint_now(done, samples, losses)
-                            raise ResourcesChanged(reason, types_before, now, done, checkpoint)
+                            raise ResourcesChanged(reason, types_before, now, done, checkpoint, between_chunks=True)
                     if floor and _floor_due(chunks):
                         rate, window = steady_rate(chunks) or 0.0, sum(c[1] for c in chunks[1:])
                         met = rate >= FLOOR_SHORTFALL * floor

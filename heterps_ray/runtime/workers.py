@@ -27,6 +27,7 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
+from heterps_ray.reusable import Reusable
 from heterps_ray.runtime.chain import CompiledChain, channel_bytes, copy_wire
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
@@ -122,7 +123,7 @@ class _Busy:
         return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
 
 
-class StageWorker:
+class StageWorker(Reusable):
     """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
     gradient comes back; the last stage computes the loss. Saved activations are keyed by
     micro-batch id, so several DataWorkers can share a replica."""
@@ -300,7 +301,7 @@ class _MicroBatch:
     loss: float | None = None
 
 
-class DataWorker:
+class DataWorker(Reusable):
     """Reads its share of the data, pulls sparse rows, runs stage 0, drives the micro-batches through
     the StageWorkers, runs stage 0's backward and pushes the sparse gradients to the PS.
 
@@ -431,6 +432,11 @@ class DataWorker:
         if self._chain is not None:
             self._chain.close()
             self._chain = None
+
+    def teardown(self) -> None:
+        """Before this process is reconfigured for another run (warm.py): stop the reader thread."""
+        self.close()
+        self._batches.close()
 
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""

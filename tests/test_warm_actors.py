@@ -1,0 +1,95 @@
+"""Warm actors (runtime/warm.py): a run's actors are reconfigured for the next run in the same driver,
+and a reused actor carries nothing of the last run: plan B trained on plan A's actors is exactly plan B
+trained on fresh ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import tiny_sync_job
+
+from heterps_ray.costmodel.plan import Plan, load_plan
+from heterps_ray.runtime import warm
+from heterps_ray.runtime.checkpoint import load_checkpoint
+from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.loop import LiveActors
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("warm") / "data"
+    synthesize(path, 6_000, seed=4, rows_per_part=2_000)
+    return path
+
+
+def _plan_b() -> Plan:
+    """Two stages (embedding on cpu_small, the rest on cpu_big): the types of plan A's first two stages."""
+    raw = load_plan(REPO / "configs" / "plans" / "small_two_stage.json").to_dict()
+    raw["stages"][0]["type"] = "cpu_small"
+    raw["assignment"] = ["cpu_small", "cpu_big", "cpu_big", "cpu_big"]
+    return Plan.from_dict(raw)
+
+
+def test_plan_b_on_plan_a_s_warm_actors_trains_exactly_plan_b_on_fresh_ones(ray_local, dataset, tmp_path):
+    plan_a = load_plan(REPO / "configs" / "plans" / "small_three_stage.json")  # cpu_small, cpu_big, cpu_small
+    plan_b = _plan_b()
+    job_b = tiny_sync_job("warm-b", dataset, tmp_path / "fresh", checkpoint_every=20)
+
+    warm.release_idle()
+    before = warm.counts()
+    fresh = train(job_b, plan_b, steps=STEPS, progress=False)
+    assert warm.counts()["reused"] == before["reused"]  # nothing idle: every actor new
+
+    warm.release_idle()
+    armed: list[str] = []
+
+    def arm_every_actor(live: LiveActors) -> None:
+        """Plan A's actors are told to die when they next save the model, which plan A never does."""
+        if not armed:
+            for actor in [*live.data_workers, *(w for r in live.stage_workers for w in r)]:
+                actor.arm_fault.remote("save")
+                armed.append("save")
+
+    # another seed and data order than plan B's: whatever it left in an actor would change B's model
+    job_a = tiny_sync_job("warm-a", dataset, tmp_path / "a").model_copy(update={"seed": 99})
+    train(job_a, plan_a, steps=STEPS, progress=False, on_chunk=arm_every_actor, save=False)
+    assert armed
+
+    before = warm.counts()
+    job_again = tiny_sync_job("warm-b", dataset, tmp_path / "again", checkpoint_every=20)
+    again = train(job_again, plan_b, steps=STEPS, progress=False)
+    used = {k: warm.counts()[k] - before[k] for k in before}
+    assert used == {"reused": 2, "started": 0}  # plan A's DataWorker (cpu_small) and cpu_big stage
+
+    # no armed fault, table row, optimizer state or RNG state came along
+    assert again.extra["faults"] == [] and again.extra["checkpoints"] and again.extra["restarts"] == 0
+    assert again.losses == fresh.losses and again.auc == fresh.auc
+    a, b = load_checkpoint(tmp_path / "fresh" / "model"), load_checkpoint(tmp_path / "again" / "model")
+    for name, value in a.net.state_dict().items():
+        np.testing.assert_array_equal(b.net.state_dict()[name].numpy(), value.numpy())
+    sa, sb = a.table.state(), b.table.state()
+    for key in ("keys", "weights", "accumulators"):
+        np.testing.assert_array_equal(sb[key], sa[key])
+
+
+def test_idle_actors_make_room_for_a_plan_that_needs_their_slots(ray_local, dataset, tmp_path):
+    """cpu_big has 2 units: two idle cpu_big actors of another kind are killed for a plan that needs
+    both units, instead of leaving its actors unplaced."""
+    warm.release_idle()
+    two_big = load_plan(REPO / "configs" / "plans" / "small_two_stage.json")  # DataWorker + stage on cpu_big
+    train(tiny_sync_job("warm-big", dataset, tmp_path / "big"), two_big, steps=10, progress=False)
+    raw = two_big.to_dict()  # now both cpu_big units as stage replicas: async, two replicas of stage 1
+    raw["stages"][0]["type"] = "cpu_small"
+    raw["stages"][1]["replicas"] = 2
+    raw["assignment"] = ["cpu_small", "cpu_big", "cpu_big", "cpu_big"]
+    job = tiny_sync_job("warm-replicas", dataset, tmp_path / "replicas").model_copy(update={"mode": "async"})
+    summary = train(job, Plan.from_dict(raw), steps=10, progress=False)
+    assert [s["type"] for s in summary.stages] == ["cpu_small", "cpu_big"] and summary.steps == 10
+    warm.release_idle()
