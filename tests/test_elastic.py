@@ -181,6 +181,8 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         assert "cpu_big" in replan["reason"] and replan["types_now"] == ["cpu_small"]
         assert "cpu_big" in replan["old_plan"] and "cpu_big" not in replan["new_plan"]
         assert replan["checkpoint"] is not None and "re-plan:" in text
+        assert 0 <= replan["restart"]["replan_s"] < replan["restart"]["first_batch_s"], replan
+        assert "re-plan: first batch" in text
         summary = json.loads((out / "run_summary.json").read_text())
         assert summary["steps"] == steps and summary["extra"]["batches_applied"] == steps
         assert summary["extra"]["batches_lost"] == 0 and summary["extra"]["batches_duplicated"] == 0

@@ -159,6 +159,10 @@ def test_run_replans_in_closed_loop_after_an_optimistic_profile_misses_the_floor
     assert second["predicted"] == pytest.approx(first["new_predicted"])
     for before, after in zip(attempts, attempts[1:], strict=False):  # each re-plan ran in turn
         assert after["old_plan"] == before["new_plan"] and after["step"] > before["step"]
+    # each re-plan that ran says how long it took to train again: re-plan, actors placed, first batch
+    for replanned in attempts[:-1]:
+        restart = replanned["restart"]
+        assert 0 <= restart["replan_s"] <= restart["ready_s"] < restart["first_batch_s"], restart
     # the outcome: every plan measured misses the floor, and the run stops at the last miss
     assert all(a["measured"] < 0.9 * floor for a in attempts)
     last = attempts[-1]

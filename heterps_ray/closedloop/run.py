@@ -206,8 +206,10 @@ def _train(
     replanner = Replanner(job, scheduler, settings, out, decisions)
     resume: Path | None = None
     stops = 0
+    restart: _Restart | None = None  # the last re-plan, until its run has trained a batch
     with PlanNodes(job, waits) as nodes:  # its lines print with --no-progress too, as re-plans do
         while True:
+            called = time.perf_counter()
             try:
                 # autoscaling: request and await this plan's nodes (a type that does not come: re-plan)
                 resume = nodes.get(decisions, replanner, resume)
@@ -223,8 +225,13 @@ def _train(
                     elastic=True,
                     floor=job.throughput_min or None,
                 )
+                if restart is not None:
+                    restart.record(called, summary.extra["start"])
                 return summary, None
             except (FloorMissed, ResourcesChanged) as stop:
+                if restart is not None:
+                    restart.record(called, stop.start)
+                decided = time.perf_counter()
                 stops += 1
                 # autoscaling: a plan type that left is asked for again before the run re-plans
                 replan = nodes.after(stop, decisions.plan)
@@ -233,6 +240,8 @@ def _train(
                     continue
                 try:
                     resume = replanner.after(replan)
+                    entries = decisions.attempts if isinstance(replan, FloorMissed) else decisions.replans
+                    restart = _Restart(entries[-1], decided)
                     save_state(out, job, decisions, {})
                 except InfeasibleError as err:
                     if not decisions.measured:  # no plan at all (a resource change): nothing to report
@@ -242,6 +251,26 @@ def _train(
                 if not decisions.measured:
                     raise
                 return None, err
+
+
+class _Restart:
+    """How long a re-plan took to train again, in its record (``restart``): seconds from the decision
+    (the stop caught) to the new plan's train() call (re-plan, node requests), to its actors placed
+    (warm actors reconfigured, new ones started, the checkpoint restored), and to its first batch."""
+
+    def __init__(self, entry: dict[str, Any], decided: float):
+        self.entry, self.decided = entry, decided
+
+    def record(self, called: float, start: dict[str, float | None]) -> None:
+        replan_s = called - self.decided
+        ready, first = start.get("ready_s"), start.get("first_batch_s")
+        self.entry["restart"] = {
+            "replan_s": round(replan_s, 3),
+            "ready_s": None if ready is None else round(replan_s + ready, 3),
+            "first_batch_s": None if first is None else round(replan_s + first, 3),
+        }
+        if first is not None:
+            print(f"re-plan: first batch {replan_s + first:.1f} s after the decision")
 
 
 class _timed:

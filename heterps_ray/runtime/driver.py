@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +112,7 @@ def train(
     checkpoint) when the steady rate is under loop.FLOOR_SHORTFALL of it. `start_if_none` (with
     `resume`): an output_dir without any checkpoint starts from step 0, keeping what it holds.
     """
+    called = time.perf_counter()
     model = build_model(job.model)
     stages = resolve_stages(plan, model, job, plan_file)
     num_shards = job.runtime.ps_shards or int(plan.ps_shards)
@@ -140,10 +142,13 @@ def train(
     # the actors stay warm for this driver's next run when this one ends quiescent: trained to the end,
     # or stopped between chunks for a re-plan; after any other error they are killed
     quiescent = False
+    loop: ChunkLoop | None = None
+    ready_s = 0.0
     try:
         placement = actors.start()
         if start:
             store.restore(start["directory"], remap=start["plan_changed"])
+        ready_s = time.perf_counter() - called
         rt = job.runtime
         saver = (
             CheckpointSaver(
@@ -162,6 +167,7 @@ def train(
         settings = LoopSettings(steps or job.runtime.train_steps, progress, elastic, floor, on_chunk)
         loop = ChunkLoop(actors, recovery, saver, tracker, settings)
         history = loop.run(start)
+        started = _start_timing(ready_s, loop.first_batch_s)
         # from here on every phase that talks to an actor is supervised: a fault rolls back to the
         # trained state (made durable by the loop) and the phase is done again
         metrics = loop.supervised("evaluate", lambda: evaluate(actors, eval_files))
@@ -198,6 +204,7 @@ def train(
                 "faults": [asdict(f) for f in recovery.faults],
                 "restarts": recovery.restarts,
                 "max_restarts": job.runtime.max_restarts,
+                "start": started,
                 **counts,
             },
         )
@@ -229,6 +236,8 @@ def train(
         return summary
     except (FloorMissed, ResourcesChanged) as stop:
         quiescent = getattr(stop, "between_chunks", True)
+        if loop is not None:  # how long this run took to start, for the closed loop's re-plan record
+            stop.start = _start_timing(ready_s, loop.first_batch_s)
         raise
     finally:
         if tracker is not None:
@@ -236,6 +245,15 @@ def train(
         actors.shutdown(keep_warm=quiescent and not owns_ray)
         if owns_ray:
             ray.shutdown()
+
+
+def _start_timing(ready_s: float, first_batch_s: float | None) -> dict[str, float | None]:
+    """Seconds from the train() call to its actors placed (and a checkpoint restored), and to the end of
+    its first batch (the first chunk's time per batch after that; None before any chunk)."""
+    return {
+        "ready_s": round(ready_s, 3),
+        "first_batch_s": None if first_batch_s is None else round(ready_s + first_batch_s, 3),
+    }
 
 
 def _check_plan_types(stages: list[StageSpec], job: JobConfig, plan_file: str | None) -> None:

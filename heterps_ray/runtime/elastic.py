@@ -29,6 +29,7 @@ class ResourcesChanged(Exception):
         self.reason, self.before, self.now, self.step, self.checkpoint = reason, before, now, step, checkpoint
         # raised by the chunk loop between chunks: no call of the run in flight, its live actors reusable
         self.between_chunks = between_chunks
+        self.start: dict[str, float | None] = {}  # how long the run took to start (driver._start_timing)
         super().__init__(f"{reason} at step {step} (types before {before}, now {now})")
 
 

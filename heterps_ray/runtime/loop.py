@@ -60,6 +60,7 @@ class FloorMissed(Exception):
     def __init__(self, achieved: float, floor: float, step: int, checkpoint: Path | None, seconds: float):
         self.achieved, self.floor, self.step, self.checkpoint = achieved, floor, step, checkpoint
         self.seconds = seconds  # steady seconds the rate was measured over
+        self.start: dict[str, float | None] = {}  # how long the run took to start (driver._start_timing)
         super().__init__(
             f"steady throughput {achieved:,.0f} samples/s at step {step} is under {FLOOR_SHORTFALL:.0%} of "
             f"the floor of {floor:,.0f} samples/s"
@@ -101,6 +102,7 @@ class ChunkLoop:
         self.settings = settings
         self.plan_types = {s.type for s in actors.stages} | {actors.job.cluster.ps_resource}
         self.types_before: list[str] = []  # the cluster's types when training started (elastic runs)
+        self.first_batch_s: float | None = None  # s one batch of the first chunk took, once trained
 
     def run(self, start: dict[str, Any]) -> dict[str, Any]:
         """Drive the DataWorkers until the target is done, from `start` (a resumed checkpoint's steps,
@@ -176,6 +178,8 @@ class ChunkLoop:
                     seconds += interval
                     chunks.append((sum(r["samples"] for r in results), interval))
                     worker_steps = max(r["steps"] for r in results)
+                    if self.first_batch_s is None and worker_steps:  # its share of the first chunk
+                        self.first_batch_s = interval / worker_steps
                     if worker_steps:
                         chunk_steps = max(CHUNK_STEPS, int(worker_steps / interval * CHUNK_SECONDS))
                     for r in results:
