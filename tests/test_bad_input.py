@@ -797,3 +797,19 @@ def test_criteo_text_with_binary_bytes_exits_2_without_a_traceback(
     err = _refused(argv, capsys)
     assert f"error: {tsv}: not UTF-8 text" in err and "expected a Criteo TSV or header CSV file" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv"]
+
+
+@pytest.mark.parametrize("command", ["train", "data info"])
+def test_dataset_metadata_that_is_not_utf8_exits_2_naming_it(no_ray, dataset, tmp_path, capsys, command):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    meta = data / "_meta.json"
+    _not_utf8(meta)
+    job = _write_job(tmp_path, data)
+    argv = (
+        ["train", str(job), "--plan", str(PLAN), "--no-progress"]
+        if command == "train"
+        else ["data", "info", str(data)]
+    )
+    err = _refused(argv, capsys)
+    assert f"error: {meta}: unreadable ('utf-8' codec can't decode byte 0xff" in err, err
