@@ -639,7 +639,16 @@ INPUT_FILES: list[tuple[str, str, Callable[[Path, Job], list[str]]]] = [
     (
         "plot pipeline --plan",
         "json",
-        lambda bad, job: ["plot", "pipeline", "--problem", str(PROBLEM), "--plan", str(bad), "-o", "p.png"],
+        lambda bad, job: [
+            "plot",
+            "pipeline",
+            "--problem",
+            str(PROBLEM),
+            "--plan",
+            str(bad),
+            "-o",
+            str(bad.parent / "p.png"),
+        ],
     ),
 ]
 
@@ -728,7 +737,16 @@ OUTPUT_PATHS: list[tuple[str, str, Callable[[Path, Job], list[str]], str]] = [
     (
         "plot frontier --table",
         "dir",
-        lambda p, job: ["plot", "frontier", "--problem", str(PROBLEM), "-o", "f.png", "--table", str(p)],
+        lambda p, job: [
+            "plot",
+            "frontier",
+            "--problem",
+            str(PROBLEM),
+            "-o",
+            str(p.parent / "f.png"),
+            "--table",
+            str(p),
+        ],
         "--table",
     ),
     (
@@ -740,7 +758,7 @@ OUTPUT_PATHS: list[tuple[str, str, Callable[[Path, Job], list[str]], str]] = [
     (
         "plot schedulers --output",
         "file",
-        lambda p, job: ["plot", "schedulers", "r.parquet", "-o", str(p)],
+        lambda p, job: ["plot", "schedulers", str(p.parent / "r.parquet"), "-o", str(p)],
         "--output",
     ),
     (
@@ -753,7 +771,7 @@ OUTPUT_PATHS: list[tuple[str, str, Callable[[Path, Job], list[str]], str]] = [
     (
         "predict --output",
         "dir",
-        lambda p, job: ["predict", str(p.parent), "--data", "d", "-o", str(p)],
+        lambda p, job: ["predict", str(p.parent), "--data", str(p.parent / "d"), "-o", str(p)],
         "--output",
     ),
 ]
