@@ -278,13 +278,49 @@ class JobConfig(BaseModel):
 # Loading
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (or JSON) mapping; a missing or unparsable file is a ConfigError naming it."""
+def read_text(path: str | Path, expected: str = "a readable YAML file", field: str = "<file>") -> str:
+    """The text of a file a user names (a job, model, cluster, problem or plan): the one way they are read.
+
+    A missing file, a directory, an unreadable file or one that is not UTF-8 text is a ConfigError naming
+    the file, `field` (what named it: ``<file>`` for the file as a whole) and `expected`, never a traceback.
+    """
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(str(path), "<file>", "a readable YAML file", exc.strerror) from None
+        raise ConfigError(str(path), field, expected, exc.strerror) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        got = f"byte 0x{data[exc.start]:02x} at offset {exc.start}: not UTF-8 text"
+        raise ConfigError(str(path), field, f"{expected}, in UTF-8", got) from None
+
+
+def writable(path: str | Path, field: str, *, directory: bool, source: str | Path | None = None) -> Path:
+    """`path`, once it can be written as a directory (`directory`) or as a file: it is not an existing file
+    where a directory goes (or the other way round), and no folder above it is a file.
+
+    Called before any work starts, so a bad output path fails with nothing written or removed. The
+    ConfigError names `source`, the config file whose `field` this is, or else (a command-line argument
+    `field`) the path itself.
+    """
+    path = Path(path)
+    got = None
+    if path.exists() and path.is_dir() != directory:
+        got = f"{path}, an existing {'file' if directory else 'directory'}"
+    else:
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            got = f"{path}, under the file {parent}"
+    if got is not None:
+        kind = "a directory" if directory else "a file"
+        raise ConfigError(str(source or path), field, f"a path where {kind} can be written", got)
+    return path
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (or JSON) mapping; a missing, binary or unparsable file is a ConfigError naming it."""
+    text = read_text(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -354,7 +390,9 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         data["path"] = _anchor(base, data["path"])
     if isinstance(raw.get("output_dir"), str):
         raw["output_dir"] = _anchor(base, raw["output_dir"])
-    return validate(JobConfig, raw, str(path))
+    job: JobConfig = validate(JobConfig, raw, str(path))
+    writable(job.output_dir, "output_dir", directory=True, source=path)
+    return job
 
 
 def _anchor(base: Path, value: str) -> str:

@@ -579,3 +579,255 @@ def test_heterps_process_exits_3_for_an_unreachable_floor(tmp_path):
     )
     assert plan.returncode == 3, plan.stderr
     assert "no plan meets the floor" in plan.stderr and "Traceback" not in plan.stderr
+
+
+# -- every file and path a command names --------------------------------------------------------
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Bad input is caught before Ray starts: starting it fails the test."""
+    import ray
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray started before the bad input was caught")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def _not_utf8(path: Path) -> None:
+    """What `head -c 2000 /dev/urandom > path` makes, reproducibly."""
+    path.write_bytes(b"\xff" + np.random.default_rng(0).bytes(1999))
+
+
+# kind of bad file: (make it at the path, what the message says for a YAML file, for a JSON file)
+BAD_FILES: dict[str, tuple[Callable[[Path], object], str, str]] = {
+    "missing": (lambda p: None, "(got 'No such file or directory')", "(got 'No such file or directory')"),
+    "a directory": (lambda p: p.mkdir(), "(got 'Is a directory')", "(got 'Is a directory')"),
+    "not UTF-8": (
+        _not_utf8,
+        "in UTF-8 (got 'byte 0xff at offset 0: not UTF-8 text')",
+        "in UTF-8 (got 'byte 0xff",
+    ),
+    "empty": (lambda p: p.write_text(""), "a mapping at the top level", "valid JSON"),
+    "malformed": (lambda p: p.write_text('{"stages": [1, 2\n'), "valid YAML", "valid JSON"),
+}
+
+Job = Callable[..., Path]  # writes a good job file with the given changes, returns its path
+# (where a command names a file, its format, the command line given the bad file and a Job)
+INPUT_FILES: list[tuple[str, str, Callable[[Path, Job], list[str]]]] = [
+    ("check JOB", "yaml", lambda bad, job: ["check", str(bad)]),
+    ("train JOB", "yaml", lambda bad, job: ["train", str(bad), "--plan", str(PLAN)]),
+    ("run JOB", "yaml", lambda bad, job: ["run", str(bad), "--no-progress"]),
+    ("profile JOB", "yaml", lambda bad, job: ["profile", str(bad), "-o", str(bad.parent / "p.yaml")]),
+    ("reference JOB", "yaml", lambda bad, job: ["reference", str(bad), "--no-progress"]),
+    ("job model", "yaml", lambda bad, job: ["check", str(job(model=str(bad)))]),
+    ("job cluster", "yaml", lambda bad, job: ["train", str(job(cluster=str(bad))), "--plan", str(PLAN)]),
+    ("cluster render CLUSTER", "yaml", lambda bad, job: ["cluster", "render", str(bad), "--kuberay"]),
+    ("plan --problem", "yaml", lambda bad, job: ["plan", "--problem", str(bad)]),
+    ("compare --problem", "yaml", lambda bad, job: ["compare", "--problem", str(bad)]),
+    ("run --problem", "yaml", lambda bad, job: ["run", str(job()), "--problem", str(bad), "--no-progress"]),
+    ("simulate --problem", "yaml", lambda bad, job: ["simulate", "--problem", str(bad), "--plan", str(PLAN)]),
+    (
+        "plot frontier --problem",
+        "yaml",
+        lambda bad, job: ["plot", "frontier", "--problem", str(bad), "-o", str(bad.parent / "f.png")],
+    ),
+    ("train --plan", "json", lambda bad, job: ["train", str(job()), "--plan", str(bad), "--no-progress"]),
+    ("simulate --plan", "json", lambda bad, job: ["simulate", "--problem", str(PROBLEM), "--plan", str(bad)]),
+    (
+        "plot pipeline --plan",
+        "json",
+        lambda bad, job: [
+            "plot",
+            "pipeline",
+            "--problem",
+            str(PROBLEM),
+            "--plan",
+            str(bad),
+            "-o",
+            str(bad.parent / "p.png"),
+        ],
+    ),
+]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(("where", "fmt", "argv"), INPUT_FILES, ids=[c[0] for c in INPUT_FILES])
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_bad_input_file_exits_2_naming_it_before_ray_starts(
+    no_ray, dataset, tmp_path, capsys, kind, where, fmt, argv
+):
+    make, yaml_says, json_says = BAD_FILES[kind]
+    bad = tmp_path / f"bad.{fmt}"
+    make(bad)
+    err = _refused(argv(bad, lambda **changes: _write_job(tmp_path, dataset, **changes)), capsys)
+    assert f"error: {bad}: field '<file>': expected " in err, err
+    assert (yaml_says if fmt == "yaml" else json_says) in err, err
+
+
+def test_problems_of_a_suite_that_are_not_utf8_exit_2_naming_the_file(no_ray, tmp_path, capsys):
+    bad = tmp_path / "problems" / "cloud.yaml"
+    bad.parent.mkdir()
+    _not_utf8(bad)
+    err = _refused(["tune", "schedulers", "--problems", str(bad.parent), "-o", str(tmp_path / "t")], capsys)
+    assert f"error: {bad}: field '<file>': expected a readable YAML file, in UTF-8" in err, err
+
+
+# (case, what exists at the path, the command line given the path and a Job, the field it names)
+OUTPUT_PATHS: list[tuple[str, str, Callable[[Path, Job], list[str]], str]] = [
+    (
+        "train output_dir",
+        "file",
+        lambda p, job: ["train", str(job(output_dir=str(p))), "--plan", str(PLAN)],
+        "output_dir",
+    ),
+    (
+        "run output_dir",
+        "file",
+        lambda p, job: ["run", str(job(output_dir=str(p))), "--no-progress"],
+        "output_dir",
+    ),
+    ("reference output_dir", "file", lambda p, job: ["reference", str(job(output_dir=str(p)))], "output_dir"),
+    (
+        "output_dir under a file",
+        "file",
+        lambda p, job: ["check", str(job(output_dir=str(p / "run")))],
+        "output_dir",
+    ),
+    ("run --output-dir", "file", lambda p, job: ["run", str(job()), "--output-dir", str(p)], "--output-dir"),
+    ("profile --output", "dir", lambda p, job: ["profile", str(job()), "-o", str(p)], "--output"),
+    (
+        "plan --output",
+        "dir",
+        lambda p, job: ["plan", "--problem", str(PROBLEM), "--output", str(p)],
+        "--output",
+    ),
+    (
+        "compare --output",
+        "dir",
+        lambda p, job: ["compare", "--problem", str(PROBLEM), "--output", str(p)],
+        "--output",
+    ),
+    (
+        "simulate --timeline",
+        "dir",
+        lambda p, job: ["simulate", "--problem", str(PROBLEM), "--plan", str(PLAN), "--timeline", str(p)],
+        "--timeline",
+    ),
+    (
+        "simulate --queues",
+        "dir",
+        lambda p, job: ["simulate", "--problem", str(PROBLEM), "--plan", str(PLAN), "--queues", str(p)],
+        "--queues",
+    ),
+    (
+        "cluster render --output",
+        "dir",
+        lambda p, job: ["cluster", "render", str(CLUSTER), "--kuberay", "-o", str(p)],
+        "--output",
+    ),
+    (
+        "plot frontier --output",
+        "dir",
+        lambda p, job: ["plot", "frontier", "--problem", str(PROBLEM), "-o", str(p)],
+        "--output",
+    ),
+    (
+        "plot frontier --table",
+        "dir",
+        lambda p, job: [
+            "plot",
+            "frontier",
+            "--problem",
+            str(PROBLEM),
+            "-o",
+            str(p.parent / "f.png"),
+            "--table",
+            str(p),
+        ],
+        "--table",
+    ),
+    (
+        "plot pipeline --output",
+        "dir",
+        lambda p, job: ["plot", "pipeline", "--problem", str(PROBLEM), "--plan", str(PLAN), "-o", str(p)],
+        "--output",
+    ),
+    (
+        "plot schedulers --output",
+        "file",
+        lambda p, job: ["plot", "schedulers", str(p.parent / "r.parquet"), "-o", str(p)],
+        "--output",
+    ),
+    (
+        "tune schedulers --output",
+        "file",
+        lambda p, job: ["tune", "schedulers", "--problems", str(PROBLEM), "-o", str(p)],
+        "--output",
+    ),
+    ("export --output", "file", lambda p, job: ["export", str(p.parent), "-o", str(p)], "--output"),
+    (
+        "predict --output",
+        "dir",
+        lambda p, job: ["predict", str(p.parent), "--data", str(p.parent / "d"), "-o", str(p)],
+        "--output",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "exists", "argv", "field"), OUTPUT_PATHS, ids=[c[0] for c in OUTPUT_PATHS])
+def test_output_path_of_the_wrong_kind_exits_2_and_keeps_what_is_there(
+    no_ray, dataset, tmp_path, capsys, case, exists, argv, field
+):
+    path = tmp_path / "existing"
+    if exists == "file":
+        path.write_text("the user's own notes\n")
+    else:
+        path.mkdir()
+        (path / "notes.txt").write_text("the user's own notes\n")
+    before = _tree(tmp_path)
+    job = tmp_path / "job.yaml"
+    err = _refused(argv(path, lambda **changes: _write_job(tmp_path, dataset, **changes)), capsys)
+    named = job if field == "output_dir" else path
+    assert f"error: {named}: field '{field}': expected a path where a " in err and str(path) in err, err
+    assert {k: v for k, v in _tree(tmp_path).items() if k != job.name} == before
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "strict"])
+@pytest.mark.parametrize("damage", ["binary bytes in a row", "all binary"])
+def test_criteo_text_with_binary_bytes_exits_2_without_a_traceback(
+    criteo_sample, tmp_path, capsys, damage, strict
+):
+    from heterps_ray.data.criteo import read_table, write_text
+
+    tsv = tmp_path / "day.tsv"
+    if damage == "all binary":
+        _not_utf8(tsv)
+    else:
+        write_text(read_table(criteo_sample), tsv)
+        raw = bytearray(tsv.read_bytes())
+        raw[300:340] = bytes(range(200, 240))  # not UTF-8, and five of the row's tabs gone
+        tsv.write_bytes(bytes(raw))
+    argv = ["data", "convert", str(tsv), "-o", str(tmp_path / "out")] + (["--strict"] if strict else [])
+    err = _refused(argv, capsys)
+    assert f"error: {tsv}: not UTF-8 text" in err and "expected a Criteo TSV or header CSV file" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv"]
+
+
+@pytest.mark.parametrize("command", ["train", "data info"])
+def test_dataset_metadata_that_is_not_utf8_exits_2_naming_it(no_ray, dataset, tmp_path, capsys, command):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    meta = data / "_meta.json"
+    _not_utf8(meta)
+    job = _write_job(tmp_path, data)
+    argv = (
+        ["train", str(job), "--plan", str(PLAN), "--no-progress"]
+        if command == "train"
+        else ["data", "info", str(data)]
+    )
+    err = _refused(argv, capsys)
+    assert f"error: {meta}: unreadable ('utf-8' codec can't decode byte 0xff" in err, err

@@ -70,10 +70,15 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from heterps_ray.closedloop.report import REPORT_FILE
     from heterps_ray.closedloop.run import run_job
-    from heterps_ray.config import load_job
+    from heterps_ray.config import load_job, writable
+    from heterps_ray.costmodel import load_problem
 
+    if args.output_dir:
+        writable(args.output_dir, "--output-dir", directory=True)
     overrides = {"output_dir": str(Path(args.output_dir).resolve())} if args.output_dir else None
     job = load_job(args.job, overrides)
+    if args.problem is not None:
+        load_problem(args.problem)  # a bad file fails here, before Ray starts (run_job reads it again)
     if args.autoscale:
         autoscale = job.cluster.autoscale.model_copy(update={"enabled": True})
         job = job.model_copy(update={"cluster": job.cluster.model_copy(update={"autoscale": autoscale})})

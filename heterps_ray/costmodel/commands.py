@@ -44,10 +44,14 @@ def register(subparsers: Any) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from heterps_ray.config import writable
     from heterps_ray.costmodel import CostModel, load_problem
     from heterps_ray.costmodel.simulator import simulate
     from heterps_ray.errors import ConfigError
 
+    for flag, output in (("--timeline", args.timeline), ("--queues", args.queues)):
+        if output is not None:
+            writable(output, flag, directory=False)
     if args.drain_every < 0:
         raise ConfigError(None, "--drain-every", "a non-negative integer", args.drain_every)
     for name in ("batches", "micro_batches", "max_in_flight"):
@@ -117,13 +121,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _read_plan(path: Path, problem: Any) -> dict[str, Any]:
     """A plan JSON (DESIGN.md §4) whose stages cover the problem's layers in order, on known types."""
+    from heterps_ray.config import read_text
     from heterps_ray.errors import ConfigError
 
     file = str(path)
+    text = read_text(path, "a readable plan JSON file")
     try:
-        plan = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(file, "<file>", "a readable plan JSON file", exc.strerror) from None
+        plan = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(file, "<file>", f"valid JSON ({exc})") from None
     if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list) or not plan["stages"]:

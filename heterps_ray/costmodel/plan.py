@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from heterps_ray.config import read_text
 from heterps_ray.costmodel.problem import Problem
 from heterps_ray.errors import ConfigError
 
@@ -248,11 +249,7 @@ def check_plan(plan: Plan, problem: Problem, file: str | None = None) -> None:
 
 def load_plan(path: str | Path, problem: Problem | None = None) -> Plan:
     """Read a plan JSON file; with `problem`, check that it matches (else ConfigError)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(str(path), "<file>", "a readable plan JSON file", exc.strerror) from None
+    text = read_text(path, "a readable plan JSON file")
     return Plan.from_json(text, problem, str(path))
 
 

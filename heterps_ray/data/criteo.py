@@ -31,7 +31,8 @@ nulls) is what Parquet stores. :func:`table_to_batch` turns it into a :data:`Bat
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,7 @@ def read_text(
     ordinal = 0  # rows the CSV reader produced before `pending`
     try:
         with pa.input_stream(str(path), compression="detect") as stream:
-            reader = pa_csv.open_csv(stream, read_options, parse_options, convert_options)
-            for batch in reader:
+            for batch in _batches(path, stream, read_options, parse_options, convert_options):
                 lines.report_wrong(path, bad_rows, strict)
                 pending.append(batch)
                 if sum(b.num_rows for b in pending) >= chunk_rows:
@@ -156,6 +156,46 @@ def read_text(
     skipped = bad_rows.count - before
     if skipped:
         log.warning("%s: skipped %d malformed rows (see the bad-row report)", path, skipped)
+
+
+def _batches(path: Path, stream: Any, *options: Any) -> Iterator[pa.RecordBatch]:
+    """The CSV reader's batches; a row with the wrong field count that is not UTF-8 text is a DataError.
+
+    pyarrow decodes such a row as UTF-8 before it calls the invalid-row handler; when that fails it prints
+    the UnicodeDecodeError as an "Exception ignored" traceback (sys.unraisablehook) and stops the read
+    with a parse error. The hook is caught while the reader runs, so the user sees one message, no
+    traceback.
+    """
+    undecodable: list[UnicodeDecodeError] = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, UnicodeDecodeError):
+            undecodable.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    def pull(step: Callable[[], Any]) -> Any:
+        sys.unraisablehook = hook
+        try:
+            return step()
+        except pa.ArrowException as exc:
+            if undecodable:
+                raise DataError(
+                    f"{path}: not UTF-8 text: a row holds bytes that are not UTF-8 and has the wrong number "
+                    f"of fields ({exc}); expected a Criteo TSV or header CSV file"
+                ) from None
+            raise
+        finally:
+            sys.unraisablehook = previous
+
+    reader = pull(lambda: pa_csv.open_csv(stream, *options))
+    while True:
+        try:
+            batch = pull(reader.read_next_batch)
+        except StopIteration:
+            return
+        yield batch
 
 
 def read_table(path: str | Path, *, strict: bool = False, bad_rows: BadRows | None = None) -> pa.Table:

@@ -66,7 +66,7 @@ class Dataset:
         self._legacy = found.name == LEGACY_META_FILE
         try:
             self._meta = json.loads(found.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 text
             raise DataError(f"{found}: unreadable ({exc})") from None
         if not isinstance(self._meta, dict):
             raise DataError(f"{found}: expected a JSON object, got {type(self._meta).__name__}")

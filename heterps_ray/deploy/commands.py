@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 def _render(args: argparse.Namespace) -> int:
     import yaml
 
-    from heterps_ray.config import load_cluster
+    from heterps_ray.config import load_cluster, writable
     from heterps_ray.deploy.render import (
         IMAGE,
         auth_secret_help,
@@ -61,6 +61,8 @@ def _render(args: argparse.Namespace) -> int:
     )
     from heterps_ray.errors import ConfigError
 
+    if args.output is not None:
+        writable(args.output, "--output", directory=False)
     cluster = load_cluster(args.cluster)
     image = args.image or IMAGE
     notes: list[str] = []

@@ -196,9 +196,11 @@ def _tune_sweep(args: argparse.Namespace) -> int:
 
 
 def _suite(args: argparse.Namespace) -> tuple[list[Any], list[float]]:
+    from heterps_ray.config import writable
     from heterps_ray.errors import ConfigError
     from heterps_ray.experiments.compare import generate_problems, load_problems
 
+    writable(args.output, "--output", directory=True)
     try:
         floors = [float(x) for x in args.floors.split(",") if x.strip()]
     except ValueError:
@@ -343,10 +345,14 @@ def _register_plot(subparsers: Any) -> None:
 
 
 def _plot_frontier(args: argparse.Namespace) -> int:
+    from heterps_ray.config import writable
     from heterps_ray.costmodel import load_problem
     from heterps_ray.experiments.cost_frontier import frontier
     from heterps_ray.experiments.plots import plot_frontier
 
+    writable(args.output, "--output", directory=False)
+    if args.table:
+        writable(args.table, "--table", directory=False)
     problem = load_problem(args.problem)
     table = frontier(problem)
     path = plot_frontier(table, args.output, title=f"Cost/throughput frontier: {problem.name}")
@@ -367,9 +373,11 @@ def _plot_frontier(args: argparse.Namespace) -> int:
 def _plot_pipeline(args: argparse.Namespace) -> int:
     import pandas as pd
 
+    from heterps_ray.config import writable
     from heterps_ray.errors import ConfigError, DataError
     from heterps_ray.experiments.plots import SPAN_COLUMNS, plot_pipeline
 
+    writable(args.output, "--output", directory=False)
     labels = None
     if args.timeline is not None:
         if args.plan is not None:
@@ -426,9 +434,11 @@ def _plot_pipeline(args: argparse.Namespace) -> int:
 def _plot_schedulers(args: argparse.Namespace) -> int:
     import pandas as pd
 
+    from heterps_ray.config import writable
     from heterps_ray.errors import DataError
     from heterps_ray.experiments.plots import plot_cost_vs_floor, plot_ratio_to_exact
 
+    writable(args.output, "--output", directory=True)
     try:
         table = pd.read_parquet(args.results)
     except (OSError, ValueError) as exc:

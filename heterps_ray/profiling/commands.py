@@ -56,11 +56,12 @@ def _profile(args: argparse.Namespace) -> int:
 
     from heterps_ray.closedloop.probes import profile_job
     from heterps_ray.cluster import connect
-    from heterps_ray.config import load_job
+    from heterps_ray.config import load_job, writable
     from heterps_ray.errors import ConfigError
     from heterps_ray.profiling.fit import write_problem
     from heterps_ray.profiling.profiler import ProfileSettings
 
+    writable(args.output, "--output", directory=False)
     job = load_job(args.job)
     base = ProfileSettings.quick if args.quick else ProfileSettings
     settings = base(progress=not args.no_progress)

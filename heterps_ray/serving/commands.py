@@ -42,8 +42,10 @@ def register(subparsers: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from heterps_ray.config import writable
     from heterps_ray.serving.export import export_model
 
+    writable(args.output, "--output", directory=True)
     manifest = export_model(args.output_dir, args.output)
     files = ", ".join(["manifest.json", *sorted(manifest["files"])])
     rows, dim = manifest["embeddings"]["rows"], manifest["embedding_dim"]
@@ -52,8 +54,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from heterps_ray.config import writable
     from heterps_ray.serving.predict import predict
 
+    writable(args.output, "--output", directory=False)
     result = predict(
         args.output_dir,
         args.data,
