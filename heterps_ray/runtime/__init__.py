@@ -9,9 +9,8 @@ Design (see DESIGN.md §1):
   ``torch.set_num_threads(type.torch_threads)`` and uses ``cuda`` when the type's device is cuda
   and a GPU is visible, else the CPU.
 * **No driver in the data path.** Each DataWorker drives its micro-batches through the
-  StageWorkers itself. A chain of single-replica stages is one Ray Compiled Graph
-  (``chain.py``: shared-memory channels, forward through stages 1..S-1, loss, backward back);
-  with replicas it chains ObjectRefs with plain actor calls, micro-batch ``c`` of DataWorker
+  StageWorkers itself, chaining ObjectRefs with plain actor calls (activations inline in the
+  call: ``cluster.SYSTEM_CONFIG`` raises Ray's direct-call object size), micro-batch ``c`` of DataWorker
   ``w`` going to replica ``(c + w) % k`` of a stage with ``k`` replicas (M:N round robin) and
   its backward to the same replicas. At most ``runtime.max_in_flight`` micro-batches per
   DataWorker are in flight; calls from one DataWorker run in submission order on each actor.

@@ -68,9 +68,6 @@ class ActorSet:
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, [s.replicas for s in stages])
-        # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
-        # takes part in one graph at a time, so several DataWorkers keep plain calls
-        self.chained = job.runtime.compiled_graph and len(stages) > 1 and all(s.replicas == 1 for s in stages)
         self.shards: list[Any] = []
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
@@ -115,7 +112,6 @@ class ActorSet:
             epochs=self.job.runtime.epochs,
             max_in_flight=self.job.runtime.max_in_flight,
             batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
-            compiled_chain=self.chained,
             workers=self.num_workers,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
@@ -275,10 +271,6 @@ class ActorSet:
         ray.get(refs)
 
     def shutdown(self) -> None:
-        # compiled chains first: their actors' loops end cleanly before the actors are killed
-        ray.wait(
-            [w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10
-        )
         for *_, actor in self.all_actors():
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []

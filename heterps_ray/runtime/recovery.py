@@ -125,15 +125,6 @@ class Recovery:
         actors = self.actors
         for d in dead:
             ray.kill(d["handle"], no_restart=True)
-        replaced = list(dead)
-        if actors.chained and any(d["kind"] == "data_worker" for d in dead):
-            # The dead DataWorker drove a compiled chain that no one can tear down now: its
-            # StageWorkers are stuck in the old graph's loop, so they are replaced as well (their
-            # state is restored from the recovery point like everyone else's).
-            for kind, stage_index, replica, handle in actors.all_actors():
-                if kind == "stage_worker" and not any(d["handle"] is handle for d in dead):
-                    ray.kill(handle, no_restart=True)
-                    replaced.append({"kind": kind, "stage": stage_index, "replica": replica})
         actors.generation += 1
         new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
         for i in new_shards:
@@ -141,7 +132,7 @@ class Recovery:
         wait.placed([actors.shards[i] for i in new_shards])
         if actors.job.mode == "async" and new_shards:
             actors.register_dense_tables(new_shards)
-        for d in replaced:
+        for d in dead:
             if d["kind"] == "stage_worker":
                 stage = actors.stages[d["stage"]]
                 actors.stage_workers[stage.index - 1][d["replica"]] = actors.new_stage_worker(

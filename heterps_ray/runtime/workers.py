@@ -27,7 +27,6 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
-from heterps_ray.runtime.chain import CompiledChain, channel_bytes, copy_wire
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.stage import StageCompute, Stash
@@ -59,7 +58,6 @@ class DataSettings:
     epochs: int
     max_in_flight: int
     batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
-    compiled_chain: bool = False  # drive stages 1..S-1 (one replica each) as a compiled graph (chain.py)
     workers: int = 1  # DataWorkers of the plan (the table's clock interleaves their batches)
 
 
@@ -209,22 +207,6 @@ class StageWorker:
         with self._busy, torch.no_grad():
             return to_wire(self.compute.module(from_wire(x, self.device)))
 
-    # The same three steps as nodes of a compiled chain (chain.py): inputs come off a channel.
-
-    def chain_forward(self, mb_id: int, x: Wire, gen: int) -> Wire:
-        return self.forward(mb_id, copy_wire(x), gen)
-
-    def chain_forward_backward(
-        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int
-    ) -> tuple[Wire, float]:
-        return self.forward_backward(mb_id, copy_wire(x), np.array(label), scale, step, gen)
-
-    def chain_backward(
-        self, mb_id: int, upstream: tuple[Wire, float], step: bool, gen: int
-    ) -> tuple[Wire, float]:
-        grads, loss = upstream
-        return self.backward(mb_id, copy_wire(grads), step, gen), loss
-
     def _note_forward(self, samples: int) -> None:
         self._counts["forward"] += 1
         self._counts["samples"] += samples
@@ -338,7 +320,6 @@ class DataWorker:
         else:
             self.ps = PSClient(shards)
         self.sync = settings.mode == "sync"
-        self._chain: CompiledChain | None = None  # built on the first run (all actors placed by then)
         self._batches = self._reader(skip=0)
         self._batch_index = 0
         self._updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
@@ -388,12 +369,6 @@ class DataWorker:
         t0 = time.perf_counter()
         first_batch = self._batch_index
         exhausted = False
-        if self._chain is None and self._wants_chain():
-            largest = max(layer.out_bytes_per_sample for layer in self.model.layers)
-            mb = self.data.batch_size // self.data.micro_batches
-            self._chain = CompiledChain(
-                [replicas[0] for replicas in self.downstream], channel_bytes([largest], mb), self._window
-            )
         for _ in range(steps):
             t_read = time.perf_counter()
             item = next(self._batches, None)
@@ -423,15 +398,6 @@ class DataWorker:
             **self.progress(),
         }
 
-    def _wants_chain(self) -> bool:
-        return self.data.compiled_chain and bool(self.downstream)
-
-    def close(self) -> None:
-        """Tear the compiled chain down (before the actors go, and before a rewire)."""
-        if self._chain is not None:
-            self._chain.close()
-            self._chain = None
-
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""
         return {"position": self._batch_index, "updates": self._updates}
@@ -441,7 +407,6 @@ class DataWorker:
     ) -> None:
         """After a fault: forget everything in flight and talk to the (partly new) actors (hosted
         shards stay this worker's own)."""
-        self.close()
         self._generation = generation
         self.downstream = downstream
         if not self.hosted:
@@ -568,11 +533,6 @@ class DataWorker:
                 item.loss = float(loss.detach())
                 return
             ref: Any = to_wire(item.stash.outputs)
-        if self._chain is not None:
-            item.grad_ref = self._chain.submit(
-                item.id, ref, item.label, item.grad_scale, item.step, self._generation
-            )
-            return
         *middle, last = self.downstream
         for s, replicas in enumerate(middle):
             ref = replicas[item.route[s]].forward.remote(item.id, ref, self._generation)
@@ -581,7 +541,7 @@ class DataWorker:
         )
 
     def _backward(self, item: _MicroBatch) -> None:
-        if self.downstream and self._chain is None:
+        if self.downstream:
             grad = item.grad_ref
             for s in range(len(self.downstream) - 2, -1, -1):
                 grad = self.downstream[s][item.route[s]].backward.remote(
@@ -594,10 +554,7 @@ class DataWorker:
         assert item.stash is not None
         if self.downstream:
             t0 = time.perf_counter()
-            if self._chain is not None:
-                grads, item.loss = self._chain.result(item.grad_ref)
-            else:
-                grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
+            grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
             self._wait_s += time.perf_counter() - t0
             with self._busy:
                 self.compute.backward(item.stash, grads)
