@@ -23,10 +23,11 @@ from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
+from heterps_ray.runtime.modes import mode_of
 from heterps_ray.runtime.pipeline import StageSpec
-from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
+from heterps_ray.runtime.sparse import SPARSE_TABLE
+from heterps_ray.runtime.stage import canonical_names, dense_table_name
 from heterps_ray.runtime.workers import (
-    SPARSE_TABLE,
     DataSettings,
     DataWorker,
     HostedPS,
@@ -68,6 +69,7 @@ class ActorSet:
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, [s.replicas for s in stages])
+        self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[Any] = []
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
@@ -79,7 +81,7 @@ class ActorSet:
         rtype = self.job.cluster.type(stage.type)
         return WorkerSettings(
             seed=self.job.seed,
-            mode=self.job.mode,
+            mode=self.mode,
             optimizer=self.job.optimizer,
             device=rtype.device,
             torch_threads=rtype.torch_threads,
@@ -111,7 +113,7 @@ class ActorSet:
             micro_batches=self.job.runtime.micro_batches,
             epochs=self.job.runtime.epochs,
             max_in_flight=self.job.runtime.max_in_flight,
-            batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
+            batches_ahead=self.job.runtime.batches_ahead,
             workers=self.num_workers,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
@@ -138,8 +140,7 @@ class ActorSet:
             self.shards = [_HostedShard(self, i) for i in range(self.num_shards)]
         else:
             self.shards = [self.new_shard(i) for i in range(self.num_shards)]
-        if self.job.mode == "async":
-            self.register_dense_tables(range(self.num_shards))
+        self.register_dense_tables(range(self.num_shards))
         self.stage_workers = [
             [self.new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
         ]
@@ -161,12 +162,12 @@ class ActorSet:
 
     def dense_ps(self, stage: StageSpec) -> Any:
         """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
-        if dense_home(self.job.mode, stage.replicas) != "ps":
+        if self.mode.dense_home(stage.replicas) != "ps":
             return None
         return self.shards[stage.index % self.num_shards]
 
     def register_dense_tables(self, shards: Any) -> None:
-        """Async mode: the initial dense weights of every stage whose PS shard is in `shards`."""
+        """The initial dense weights of every stage kept on a PS shard in `shards` (none in sync mode)."""
         refs = []
         wanted = set(shards)
         for stage in self.stages:

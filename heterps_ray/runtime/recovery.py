@@ -130,8 +130,7 @@ class Recovery:
         for i in new_shards:
             actors.shards[i] = actors.new_shard(i)
         wait.placed([actors.shards[i] for i in new_shards])
-        if actors.job.mode == "async" and new_shards:
-            actors.register_dense_tables(new_shards)
+        actors.register_dense_tables(new_shards)
         for d in dead:
             if d["kind"] == "stage_worker":
                 stage = actors.stages[d["stage"]]

@@ -27,11 +27,13 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
+from heterps_ray.runtime.modes import Mode
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
+from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
 from heterps_ray.runtime.stage import StageCompute, Stash
 
-SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
+__all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class WorkerSettings:
     """What every worker of a run needs to know besides its stage."""
 
     seed: int
-    mode: str  # "sync" | "async"
+    mode: Mode  # the run's mode (modes.py): sync or async
     optimizer: OptimizerConfig
     device: str  # the resource type's device kind: "cpu" | "cuda"
     torch_threads: int
@@ -273,7 +275,7 @@ class _MicroBatch:
     grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
     loss_weight: float  # weight of its mean loss in the batch's reported loss
     step: bool  # local weights step after this micro-batch (a sync batch's last; every one in async)
-    split: KeySplit | None = None  # async: its keys' split, when it is the whole batch
+    split: KeySplit | None = None  # its keys' split, when it is the whole batch
     route: list[int] = field(default_factory=list)
     emb: torch.Tensor | None = None
     stash: Stash | None = None
@@ -286,8 +288,8 @@ class DataWorker:
     """Reads its share of the data, pulls sparse rows, runs stage 0, drives the micro-batches through
     the StageWorkers, runs stage 0's backward and pushes the sparse gradients to the PS.
 
-    sync: one batch at a time, split into micro-batches; sparse gradients pushed once per batch.
-    async: micro-batches stream continuously; sparse gradients pushed per micro-batch.
+    When sparse rows are pulled and pushed, and how far batches overlap, is the mode's sparse
+    schedule (sparse.py: per batch in sync, per micro-batch in async); the path here is one.
     A reader thread reads, converts and splits the next batches' keys meanwhile (``reader.py``).
     With a :class:`HostedPS` the PS shards live in this process and pulls and pushes are calls.
     """
@@ -308,7 +310,6 @@ class DataWorker:
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
         self._generation = generation  # see StageWorker: tags every call this worker sends
         self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
-        self._workers = data.workers
         self.model = model
         self.compute = _compute(stage0, model, settings, dense_ps)
         self.device = self.compute.device
@@ -316,25 +317,20 @@ class DataWorker:
         self.hosted: list[PSShard] = []
         if isinstance(shards, HostedPS):
             self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
-            self.ps = PSClient(self.hosted, hosted=True)
+            ps = PSClient(self.hosted, hosted=True)
         else:
-            self.ps = PSClient(shards)
-        self.sync = settings.mode == "sync"
+            ps = PSClient(shards)
+        self._busy = _Busy()
+        self.sparse = SparseRows(ps, index, data.workers, generation)
+        self.schedule = settings.mode.sparse_schedule(self.sparse, self._busy, data.batches_ahead)
         self._batches = self._reader(skip=0)
         self._batch_index = 0
-        self._updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
         self._counter = 0  # micro-batches started
         self._window = data.max_in_flight
         self._lag = max(0, data.max_in_flight - 1)
         self._fwd_q: deque[_MicroBatch] = deque()
         self._bwd_q: deque[_MicroBatch] = deque()
-        self._batch_rows = np.zeros(
-            (0, model.num_slots, model.embedding_dim), dtype=np.float32
-        )  # sync: this batch's rows
-        self._batch_emb_grad: np.ndarray | None = None
-        self._push_refs: list[Any] = []
         self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches
-        self._busy = _Busy()
         self._wait_s = 0.0  # blocked on gradients coming back
         self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
@@ -377,8 +373,8 @@ class DataWorker:
                 exhausted = True
                 break
             self._train_batch(*item)
-        self._drain()
-        self._settle_pushes(0)
+        self.drain()
+        self.sparse.settle()
         if self.compute.dense is not None:
             self.compute.dense.flush()
         losses = np.zeros(self._batch_index - first_batch)
@@ -400,7 +396,7 @@ class DataWorker:
 
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""
-        return {"position": self._batch_index, "updates": self._updates}
+        return {"position": self._batch_index, "updates": self.sparse.updates}
 
     def rewire(
         self, generation: int, downstream: list[list[Any]], shards: list[Any], dense_ps: Any = None
@@ -409,11 +405,9 @@ class DataWorker:
         shards stay this worker's own)."""
         self._generation = generation
         self.downstream = downstream
-        if not self.hosted:
-            self.ps = PSClient(shards)
+        self.sparse.rewire(generation, None if self.hosted else PSClient(shards))
         self._fwd_q.clear()
         self._bwd_q.clear()
-        self._push_refs.clear()
         self._done.clear()
         self.compute.rewire(dense_ps)
 
@@ -435,7 +429,7 @@ class DataWorker:
                 raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
 
         def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit]:
-            return batch, self.ps.split(batch["keys"])
+            return batch, self.sparse.split(batch["keys"])
 
         return Prefetcher(batches, prepare)
 
@@ -443,14 +437,10 @@ class DataWorker:
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
-        if self.sync:
-            self._settle_pushes(0)  # ordering already holds; this surfaces PS errors early
-            with self._busy:
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], split=split, step=self._clock())
-            self._batch_rows = rows
-            self._batch_emb_grad = np.zeros_like(rows)
+        self.schedule.start_batch(batch["keys"], split, self._batch_index)
         for j in range(k):
             part = slice(j * mb, (j + 1) * mb)
+            grad_scale, step = self.schedule.micro_batch(mb, size, last=j == k - 1)
             item = _MicroBatch(
                 id=self._counter * 1024 + self.index,  # unique across DataWorkers (< 1024 of them)
                 batch=self._batch_index,
@@ -458,36 +448,16 @@ class DataWorker:
                 dense=batch["dense"][part],
                 label=batch["label"][part],
                 rows=part,
-                grad_scale=mb / size if self.sync else 1.0,
+                grad_scale=grad_scale,
                 loss_weight=mb / size,
-                step=not self.sync or j == k - 1,
+                step=step,
                 split=split if k == 1 else None,
                 route=route(self._counter, self.index, [len(r) for r in self.downstream]),
             )
             self._counter += 1
             self._submit(item)
-        if not self.sync:
-            while self._batches_in_flight() > self.data.batches_ahead:
-                self._retire_oldest()
-        else:
-            self._drain()
-            assert self._batch_emb_grad is not None
-            with self._busy:
-                self._push_refs += self.ps.push(
-                    SPARSE_TABLE,
-                    batch["keys"],
-                    self._batch_emb_grad,
-                    (self.index, self._batch_index, self._generation),
-                    split=split,
-                )
-                self._updates += 1
+        self.schedule.end_batch(self, batch["keys"], split, self._batch_index)
         self._batch_index += 1
-
-    def _clock(self, batch: int | None = None) -> int:
-        """The global batch index of this worker's `batch` (default: the current one), the clock of
-        the table's admission counts and TTL: batches of the DataWorkers interleaved, a function of
-        the position in the data only, so a replay after a fault sees the same clock."""
-        return (self._batch_index if batch is None else batch) * self._workers + self.index
 
     # -- the in-flight window --------------------------------------------------------------------
 
@@ -511,7 +481,13 @@ class DataWorker:
             self._backward(self._fwd_q.popleft())
         self._finish(self._bwd_q.popleft())
 
-    def _drain(self) -> None:
+    def retire_to(self, batches: int) -> None:
+        """Finish the oldest micro-batches until at most `batches` batches have some in flight."""
+        while self._batches_in_flight() > batches:
+            self._retire_oldest()
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight (backward calls first, so they overlap)."""
         while self._fwd_q:
             self._backward(self._fwd_q.popleft())
         while self._bwd_q:
@@ -519,10 +495,7 @@ class DataWorker:
 
     def _forward(self, item: _MicroBatch) -> None:
         with self._busy:
-            if self.sync:
-                rows = self._batch_rows[item.rows]
-            else:
-                rows = self.ps.pull(SPARSE_TABLE, item.keys, split=item.split, step=self._clock(item.batch))
+            rows = self.schedule.rows(item.keys, item.rows, item.split, item.batch)
             item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
             dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
             item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
@@ -562,30 +535,11 @@ class DataWorker:
             assert item.emb is not None and item.loss is not None
             emb_grad = item.emb.grad.detach().cpu().numpy() if item.emb.grad is not None else None
             if emb_grad is not None:
-                if self.sync:
-                    assert self._batch_emb_grad is not None
-                    self._batch_emb_grad[item.rows] = emb_grad
-                else:
-                    self._push_refs += self.ps.push(
-                        SPARSE_TABLE,
-                        item.keys,
-                        emb_grad,
-                        (self.index, item.batch, self._generation),
-                        split=item.split,
-                    )
-                    self._updates += 1
-                    self._settle_pushes(4 * len(self.ps.shards))
+                self.schedule.gradient(item.keys, item.rows, emb_grad, item.split, item.batch)
             self.compute.step(item.step)
         self._done.append((item.batch, item.loss * item.loss_weight))
         item.emb, item.stash = None, None
         self._metrics.samples.inc(len(item.label))
-
-    def _settle_pushes(self, keep: int) -> None:
-        """Wait for all but the newest `keep` sparse pushes (bounds memory; surfaces PS errors)."""
-        if len(self._push_refs) > keep:
-            cut = len(self._push_refs) - keep
-            ray.get(self._push_refs[:cut])
-            del self._push_refs[:cut]
 
     # -- evaluation and state ---------------------------------------------------------------------
 
@@ -611,7 +565,7 @@ class DataWorker:
             dataset.iter_batches(split, batch_size, files=paths, drop_last=False)
         ):
             with self._busy, torch.no_grad():
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], create=False)
+                rows = self.sparse.lookup(batch["keys"])
                 emb = torch.from_numpy(rows).to(self.device)
                 dense = torch.from_numpy(np.ascontiguousarray(batch["dense"])).to(self.device)
                 ref: Any = to_wire(self.compute.module((dense, emb)))
@@ -655,7 +609,7 @@ class DataWorker:
             "data/batch_index": np.array(self._batch_index, dtype=np.int64),
             "data/counter": np.array(self._counter, dtype=np.int64),
             "data/samples": np.array(self._samples, dtype=np.int64),
-            "data/updates": np.array(self._updates, dtype=np.int64),
+            "data/updates": np.array(self.sparse.updates, dtype=np.int64),
         }
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> int:
@@ -667,5 +621,5 @@ class DataWorker:
         self._batch_index = skip
         self._counter = int(state["data/counter"])
         self._samples = int(state["data/samples"])
-        self._updates = int(state.get("data/updates", skip))
+        self.sparse.updates = int(state.get("data/updates", skip))
         return skip
