@@ -32,14 +32,14 @@ class ActorKiller:
             "stage_worker": live.stage_workers[0][0],
         }[self.kind]
         pid = ray.get(victim.describe.remote())["pid"]
-        watched = live.shards[-1]  # never the victim unless the plan has a single shard
+        watched = live.ps[-1]  # never the victim unless the plan has a single shard
         self.thread = threading.Thread(target=self._strike, args=(victim, pid, watched), daemon=True)
         self.thread.start()
 
     def _strike(self, victim: Any, pid: int, watched: Any) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            pushes = int(ray.get(watched.stats.remote())["pushes"])
+            pushes = int(ray.get(watched.stats())["pushes"])
             if pushes >= self.after:
                 break
             time.sleep(0.002)

@@ -14,7 +14,6 @@ The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -25,6 +24,7 @@ from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
 from heterps_ray.runtime.modes import mode_of
 from heterps_ray.runtime.pipeline import StageSpec
+from heterps_ray.runtime.shards import HostedShard, RemoteShard, ShardHandle
 from heterps_ray.runtime.sparse import SPARSE_TABLE
 from heterps_ray.runtime.stage import canonical_names, dense_table_name
 from heterps_ray.runtime.workers import (
@@ -53,8 +53,9 @@ def hosts_shards(job: JobConfig, replicas: list[int]) -> bool:
 
 
 class ActorSet:
-    """The live actors of a plan: ``shards`` (PS shard actors, or handles to the shards hosted in
-    DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0)."""
+    """The live actors of a plan: ``shard_actors`` (PS shard actors; none when the shards are hosted in
+    DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0);
+    ``shards`` reaches every PS shard, wherever it lives (shards.py)."""
 
     def __init__(
         self, job: JobConfig, model: ModelSpec, stages: list[StageSpec], num_shards: int, files: list[Path]
@@ -70,7 +71,10 @@ class ActorSet:
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, [s.replicas for s in stages])
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
-        self.shards: list[Any] = []
+        self.shards: list[ShardHandle] = []
+        self.shard_actors: list[Any] = []
+        # what a DataWorker is given to reach the shards: their actors, or what to host itself
+        self.worker_shards: list[Any] | HostedPS = self.shard_actors
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
         self.generation = 0  # raised at each recovery; older calls still in flight are dropped
@@ -88,6 +92,12 @@ class ActorSet:
             type_name=rtype.name,
             max_staleness=self.job.runtime.max_staleness,
         )
+
+    def replace_shard(self, index: int) -> Any:
+        """A new actor for PS shard `index` (after its death), reached through ``shards`` as well."""
+        self.shard_actors[index] = self.new_shard(index)
+        self.shards[index] = RemoteShard(self.shard_actors[index])
+        return self.shard_actors[index]
 
     def new_shard(self, index: int) -> Any:
         cluster = self.job.cluster
@@ -117,7 +127,6 @@ class ActorSet:
             workers=self.num_workers,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
-        shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
         return (
             ray.remote(DataWorker)
             .options(**options)
@@ -128,7 +137,7 @@ class ActorSet:
                 self.worker_settings(stage0),
                 data,
                 self.stage_workers,
-                shards,
+                self.worker_shards,
                 self.dense_ps(stage0),
                 self.generation,
             )
@@ -137,9 +146,11 @@ class ActorSet:
     def start(self) -> list[dict[str, Any]]:
         """Start shards, stage workers and data workers; wait until all are placed."""
         if self.hosted:
-            self.shards = [_HostedShard(self, i) for i in range(self.num_shards)]
+            self.worker_shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table})
+            self.shards = [HostedShard(self.data_worker_0, i) for i in range(self.num_shards)]
         else:
-            self.shards = [self.new_shard(i) for i in range(self.num_shards)]
+            self.shard_actors[:] = [self.new_shard(i) for i in range(self.num_shards)]
+            self.shards = [RemoteShard(a) for a in self.shard_actors]
         self.register_dense_tables(range(self.num_shards))
         self.stage_workers = [
             [self.new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
@@ -164,7 +175,7 @@ class ActorSet:
         """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
         if self.mode.dense_home(stage.replicas) != "ps":
             return None
-        return self.shards[stage.index % self.num_shards]
+        return self.shard_actors[stage.index % self.num_shards]
 
     def register_dense_tables(self, shards: Any) -> None:
         """The initial dense weights of every stage kept on a PS shard in `shards` (none in sync mode)."""
@@ -203,7 +214,7 @@ class ActorSet:
     def all_actors(self) -> list[tuple[str, int, int, Any]]:
         """(kind, stage, replica, handle) of every actor; PS shards have stage -1 (hosted shards are
         no actors: they live and die with DataWorker 0)."""
-        out = [] if self.hosted else [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
+        out = [("ps_shard", -1, i, s) for i, s in enumerate(self.shard_actors)]
         for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
             out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
         return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
@@ -251,7 +262,11 @@ class ActorSet:
         return [s["wait_s"] for s in ray.get([w.stats.remote() for w in self.data_workers])]
 
     def ps_stats(self) -> list[dict[str, Any]]:
-        return ray.get([s.stats.remote() for s in self.shards])
+        return ray.get([s.stats() for s in self.shards])
+
+    def data_worker_0(self) -> Any:
+        """The DataWorker that hosts the PS shards of a hosted plan (the current one, after recoveries)."""
+        return self.data_workers[0]
 
     # -- replacing and ending ---------------------------------------------------------------------
 
@@ -264,7 +279,7 @@ class ActorSet:
             w.rewire.remote(
                 self.generation,
                 self.stage_workers,
-                [] if self.hosted else self.shards,
+                self.worker_shards,
                 self.dense_ps(self.stages[0]),
             )
             for w in self.data_workers
@@ -275,19 +290,4 @@ class ActorSet:
         for *_, actor in self.all_actors():
             ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
-
-
-class _HostedShard:
-    """A PS shard hosted in DataWorker 0's process, addressed like a shard actor: ``shard.m.remote(...)``
-    calls ``DataWorker.shard_call(index, "m", ...)`` on whichever DataWorker 0 is current."""
-
-    def __init__(self, actors: ActorSet, index: int):
-        self._actors, self._index = actors, index
-
-    def __getattr__(self, method: str) -> Any:
-        actors, index = self._actors, self._index
-
-        def remote(*args: Any) -> Any:
-            return actors.data_workers[0].shard_call.remote(index, method, *args)
-
-        return SimpleNamespace(remote=remote)
+        self.shard_actors.clear()

@@ -54,7 +54,7 @@ def save_model(actors: ActorSet, directory: Path) -> Path:
         + [r[0].dense_state.remote() for r in actors.stage_workers]
     ):
         dense.update(part)
-    states = ray.get([s.state.remote() for s in actors.shards])
+    states = ray.get([s.state() for s in actors.shards])
     prefix = f"sparse/{SPARSE_TABLE}/"
     sparse = [{k[len(prefix) :]: v for k, v in st.items() if k.startswith(prefix)} for st in states]
     settings = {k: v for k, v in asdict(actors.table).items() if k != "dim"}

@@ -86,7 +86,7 @@ class Sync(Mode):
         self, shards: list[Any], positions: dict[int, int], progress: dict[int, dict[str, int]]
     ) -> dict[str, Any]:
         """Batches applied exactly once on every PS shard, lost and duplicated (the shards' own counts)."""
-        return batch_accounting(ray.get([s.applied.remote() for s in shards]), positions)
+        return batch_accounting(ray.get([s.applied() for s in shards]), positions)
 
 
 class Async(Mode):

@@ -127,9 +127,7 @@ class Recovery:
             ray.kill(d["handle"], no_restart=True)
         actors.generation += 1
         new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
-        for i in new_shards:
-            actors.shards[i] = actors.new_shard(i)
-        wait.placed([actors.shards[i] for i in new_shards])
+        wait.placed([actors.replace_shard(i) for i in new_shards])
         actors.register_dense_tables(new_shards)
         for d in dead:
             if d["kind"] == "stage_worker":
@@ -140,7 +138,7 @@ class Recovery:
         for i in [d["replica"] for d in dead if d["kind"] == "data_worker"]:
             actors.data_workers[i] = actors.new_data_worker(i)
         wait.placed([a for *_, a in actors.all_actors()])
-        ray.get([s.fence.remote(actors.generation) for s in actors.shards])
+        ray.get([s.fence(actors.generation) for s in actors.shards])
 
     def _find_dead(self, hung_workers: set[int]) -> list[dict[str, Any]]:
         """Probe every actor; the ones that do not answer (or whose chunk never ended) are dead."""

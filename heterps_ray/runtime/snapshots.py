@@ -52,7 +52,7 @@ class StateStore:
         Returns each PS shard's report of its snapshot (file, SHA-256, node), for the manifest."""
         actors = self.actors
         ray.get(actors.mode.settle_dense([w for r in actors.stage_workers for w in r]))
-        snapshots = [s.snapshot.remote(str(tmp / shard_file(i))) for i, s in enumerate(actors.shards)]
+        snapshots = [s.snapshot(str(tmp / shard_file(i))) for i, s in enumerate(actors.shards)]
         try:
             owners = actors.trained_actors()
             for name, state in zip(
@@ -72,7 +72,7 @@ class StateStore:
         owners = self.actors.trained_actors()
         states = ray.get([a.train_state.remote() for a in owners.values()])
         return {
-            "shards": ray.get([s.state.remote() for s in self.actors.shards]),
+            "shards": ray.get([s.state() for s in self.actors.shards]),
             "actors": dict(zip(owners, states, strict=True)),
         }
 
@@ -90,18 +90,18 @@ class StateStore:
     def roll_back_shards(self, source: Source) -> None:
         actors = self.actors
         if isinstance(source, dict):
-            ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, source["shards"], strict=True)])
+            ray.get([s.load_state(st) for s, st in zip(actors.shards, source["shards"], strict=True)])
             return
         if source in self._remapped:
             states = self._remapped_shard_states(source)
-            ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, states, strict=True)])
+            ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
             return
         files = sorted(source.glob("ps-shard-*.npz"))
         if len(files) == actors.num_shards:
-            ray.get([s.restore.remote(str(source / shard_file(i))) for i, s in enumerate(actors.shards)])
+            ray.get([s.restore(str(source / shard_file(i))) for i, s in enumerate(actors.shards)])
             return
         states = reshard_states([read_npz(f) for f in files], actors.num_shards)
-        ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, states, strict=True)])
+        ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
 
     def roll_back_actors(self, source: Source) -> None:
         actors = self.actors

@@ -64,13 +64,10 @@ class SparseRows:
             ray.get(self._refs[:cut])
             del self._refs[:cut]
 
-    def rewire(self, generation: int, ps: PSClient | None) -> None:
-        """After a fault: forget the pushes in flight, tag later ones `generation`, use `ps` (None: the
-        same shards, hosted ones)."""
+    def rewire(self, generation: int, ps: PSClient) -> None:
+        """After a fault: forget the pushes in flight, tag later ones `generation`, use `ps`."""
         self._refs.clear()
-        self.generation = generation
-        if ps is not None:
-            self.ps = ps
+        self.generation, self.ps = generation, ps
 
 
 class Window(Protocol):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -32,6 +32,8 @@ from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_w
 from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
 from heterps_ray.runtime.stage import StageCompute, Stash
+
+T = TypeVar("T")
 
 __all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
 
@@ -66,7 +68,7 @@ class DataSettings:
 @dataclass(frozen=True)
 class HostedPS:
     """The PS shards a DataWorker hosts in its own process (a plan with one DataWorker and no
-    replicated stage): the driver reaches them through ``DataWorker.shard_call``."""
+    replicated stage): the driver reaches them through ``DataWorker.on_shard`` (runtime/shards.py)."""
 
     num_shards: int
     tables: dict[str, TableSpec]
@@ -315,13 +317,8 @@ class DataWorker:
         self.device = self.compute.device
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
-        if isinstance(shards, HostedPS):
-            self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
-            ps = PSClient(self.hosted, hosted=True)
-        else:
-            ps = PSClient(shards)
         self._busy = _Busy()
-        self.sparse = SparseRows(ps, index, data.workers, generation)
+        self.sparse = SparseRows(self._ps_client(shards), index, data.workers, generation)
         self.schedule = settings.mode.sparse_schedule(self.sparse, self._busy, data.batches_ahead)
         self._batches = self._reader(skip=0)
         self._batch_index = 0
@@ -349,9 +346,17 @@ class DataWorker:
             hosted_shards=len(self.hosted),
         )
 
-    def shard_call(self, shard: int, method: str, *args: Any) -> Any:
-        """A method of a hosted PS shard, for the driver (snapshots, stats, restore, fence)."""
-        return getattr(self.hosted[shard], method)(*args)
+    def _ps_client(self, shards: list[Any] | HostedPS) -> PSClient:
+        """The client of the PS shards: actors (handles), or hosted in this process (made once)."""
+        if not isinstance(shards, HostedPS):
+            return PSClient(shards)
+        if not self.hosted:
+            self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
+        return PSClient(self.hosted, hosted=True)
+
+    def on_shard(self, shard: int, call: Callable[[PSShard], T]) -> T:
+        """`call` on hosted PS shard `shard`, for the driver (runtime/shards.HostedShard)."""
+        return call(self.hosted[shard])
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -399,13 +404,13 @@ class DataWorker:
         return {"position": self._batch_index, "updates": self.sparse.updates}
 
     def rewire(
-        self, generation: int, downstream: list[list[Any]], shards: list[Any], dense_ps: Any = None
+        self, generation: int, downstream: list[list[Any]], shards: list[Any] | HostedPS, dense_ps: Any = None
     ) -> None:
         """After a fault: forget everything in flight and talk to the (partly new) actors (hosted
         shards stay this worker's own)."""
         self._generation = generation
         self.downstream = downstream
-        self.sparse.rewire(generation, None if self.hosted else PSClient(shards))
+        self.sparse.rewire(generation, self._ps_client(shards))
         self._fwd_q.clear()
         self._bwd_q.clear()
         self._done.clear()
