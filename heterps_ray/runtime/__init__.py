@@ -18,6 +18,12 @@ Design (see DESIGN.md §1):
   by PS shard while the current one trains.
 * **PS hosting**: with one DataWorker and no replicated stage, the PS shards live in the
   DataWorker's process (``runtime.ps_hosting: auto``); pulls and pushes are plain calls then.
+* **Modes** (``modes.py``): what sync and async do differently sits in one object per mode, chosen
+  once when the run starts (``ActorSet.mode``): the plan's replica rule, where dense weights live,
+  the DataWorker's sparse schedule (``sparse.py``: per batch or per micro-batch), the dense fence
+  before a snapshot, the resume rule and the accounting. Workers and phases run one path.
+* **PS shards for the driver** (``shards.py``): one interface whether a shard is an actor or hosted
+  in DataWorker 0 (``RemoteShard``, ``HostedShard``), chosen when the actor set starts.
 * **Stage compute** (``stage.py``): what DataWorkers and StageWorkers both do with their layers
   (module, optimizer, backward from wire gradients, weight stashing, state).
 * **sync** = numerically the reference trainer (``reference.py``): one replica per stage; a batch

@@ -27,13 +27,9 @@ from heterps_ray.runtime.pipeline import StageSpec
 from heterps_ray.runtime.shards import HostedShard, RemoteShard, ShardHandle
 from heterps_ray.runtime.sparse import SPARSE_TABLE
 from heterps_ray.runtime.stage import canonical_names, dense_table_name
-from heterps_ray.runtime.workers import (
-    DataSettings,
-    DataWorker,
-    HostedPS,
-    StageWorker,
-    WorkerSettings,
-)
+from heterps_ray.runtime.stage_worker import StageWorker
+from heterps_ray.runtime.worker_base import WorkerSettings
+from heterps_ray.runtime.workers import DataSettings, DataWorker, HostedPS
 
 READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
 

@@ -1,6 +1,6 @@
-"""The actors of the pipeline: DataWorkers (data, stage 0 and orchestration) and StageWorkers
-(stages 1..S-1). Both are plain classes; the driver turns them into Ray actors pinned to their
-resource type.
+"""The DataWorker actor (data, stage 0 and orchestration); the StageWorkers (stages 1..S-1) are in
+stage_worker.py and what both share in worker_base.py. All are plain classes; the driver turns them
+into Ray actors pinned to their resource type.
 
 A DataWorker drives its own micro-batches without the driver: it runs stage 0 locally, then chains
 ObjectRefs through the StageWorkers (``forward`` ... last ``forward_backward`` ... ``backward`` in
@@ -24,31 +24,18 @@ import ray
 import torch
 
 from heterps_ray.chaos import FaultPoints
-from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
-from heterps_ray.runtime.modes import Mode
-from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
+from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec
+from heterps_ray.runtime.pipeline import StageSpec, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
-from heterps_ray.runtime.stage import StageCompute, Stash
+from heterps_ray.runtime.stage import Stash
+from heterps_ray.runtime.stage_worker import StageWorker
+from heterps_ray.runtime.worker_base import Busy, Metrics, WorkerSettings, placement, stage_compute
 
 T = TypeVar("T")
 
 __all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What every worker of a run needs to know besides its stage."""
-
-    seed: int
-    mode: Mode  # the run's mode (modes.py): sync or async
-    optimizer: OptimizerConfig
-    device: str  # the resource type's device kind: "cpu" | "cuda"
-    torch_threads: int
-    type_name: str
-    max_staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,196 +59,6 @@ class HostedPS:
 
     num_shards: int
     tables: dict[str, TableSpec]
-
-
-def _compute(stage: StageSpec, model: ModelSpec, settings: WorkerSettings, dense_ps: Any) -> StageCompute:
-    return StageCompute(
-        stage,
-        model,
-        settings.seed,
-        settings.mode,
-        settings.optimizer,
-        settings.device,
-        settings.max_staleness,
-        dense_ps,
-    )
-
-
-def _placement(**fields: Any) -> dict[str, Any]:
-    return {**actor_placement(**fields), "torch_threads": torch.get_num_threads()}
-
-
-class _Metrics:
-    """Ray metrics of one actor (exported by Ray's metrics agent; harmless when none runs)."""
-
-    def __init__(self, role: str, stage: int, replica: int):
-        from ray.util import metrics
-
-        self.tags = {"role": role, "stage": str(stage), "replica": str(replica)}
-        keys = tuple(self.tags)
-        self.samples = metrics.Counter("heterps_samples", "samples processed", tag_keys=keys)
-        self.busy = metrics.Gauge("heterps_busy_fraction", "fraction of wall time computing", tag_keys=keys)
-        self.queue = metrics.Gauge("heterps_queue_depth", "micro-batches waiting for backward", tag_keys=keys)
-        for m in (self.samples, self.busy, self.queue):
-            m.set_default_tags(self.tags)
-
-
-class _Busy:
-    """Accumulates time spent computing (busy) versus wall time since start."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.busy_s = 0.0
-
-    def __enter__(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.busy_s += time.perf_counter() - self._t0
-
-    @property
-    def fraction(self) -> float:
-        return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
-
-
-class StageWorker:
-    """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
-    gradient comes back; the last stage computes the loss. Saved activations are keyed by
-    micro-batch id, so several DataWorkers can share a replica."""
-
-    def __init__(
-        self,
-        stage: StageSpec,
-        replica: int,
-        model: ModelSpec,
-        settings: WorkerSettings,
-        dense_ps: Any = None,
-    ):
-        torch.set_num_threads(settings.torch_threads)
-        self.stage, self.replica, self.settings = stage, replica, settings
-        self.compute = _compute(stage, model, settings, dense_ps)
-        self.device = self.compute.device
-        self.is_last = stage.end == model.num_layers
-        self._saved: dict[int, Stash] = {}
-        # Raised at each recovery: calls sent before it (still queued, maybe behind a dead actor's
-        # result) are dropped, so none can step an optimizer after the rollback.
-        self._generation = 0
-        self._busy = _Busy()
-        self._counts = {"forward": 0, "backward": 0, "samples": 0, "updates": 0, "peak_pending": 0}
-        self._metrics = _Metrics("stage", stage.index, replica)
-        self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
-
-    def describe(self) -> dict[str, Any]:
-        return _placement(
-            role="stage",
-            stage=self.stage.index,
-            replica=self.replica,
-            type=self.settings.type_name,
-            device=str(self.device),
-            layers=list(self.stage.layers),
-        )
-
-    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
-        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
-        self.faults.arm(point, how, flag)
-
-    def forward(self, mb_id: int, x: Wire, gen: int = 0) -> Wire:
-        """Forward one micro-batch and keep what backward needs (nothing for a stale `gen`)."""
-        self.faults.reached("train")
-        if gen < self._generation:
-            return []
-        with self._busy:
-            stash = self.compute.forward(from_wire(x, self.device, requires_grad=True))
-            self._saved[mb_id] = stash
-            self._note_forward(len(stash.inputs[0]))
-            return to_wire(stash.outputs)
-
-    @ray.method(num_returns=2)
-    def forward_backward(
-        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int = 0
-    ) -> tuple[Wire, float]:
-        """The last stage: forward, loss (times `scale`), backward; returns (input grads, loss)."""
-        if gen < self._generation:
-            return [], float("nan")
-        with self._busy:
-            inputs = from_wire(x, self.device, requires_grad=True)
-            stash = self.compute.forward(inputs, backward_next=True)
-            (logit,) = stash.outputs
-            loss = loss_fn(logit, torch.from_numpy(np.asarray(label)).to(self.device))
-            self.compute.backward(stash, loss=loss * scale)
-            self._note_forward(len(logit))
-            grads = to_wire([t.grad if t.requires_grad else None for t in inputs])
-            self._after_backward(step)
-            return grads, float(loss.detach())
-
-    def backward(self, mb_id: int, grads: Wire, step: bool, gen: int = 0) -> Wire:
-        """Backward one micro-batch with the gradient of its output; returns its input's gradient."""
-        if gen < self._generation:
-            return []
-        with self._busy:
-            stash = self._saved.pop(mb_id)
-            self.compute.backward(stash, grads)
-            self._after_backward(step)
-            return to_wire([t.grad if t.requires_grad else None for t in stash.inputs])
-
-    def predict(self, x: Wire) -> Wire:
-        """Forward only (evaluation); nothing is kept."""
-        self.faults.reached("evaluate")
-        self.compute.settle()
-        with self._busy, torch.no_grad():
-            return to_wire(self.compute.module(from_wire(x, self.device)))
-
-    def _note_forward(self, samples: int) -> None:
-        self._counts["forward"] += 1
-        self._counts["samples"] += samples
-        self._counts["peak_pending"] = max(self._counts["peak_pending"], len(self._saved))
-        self._metrics.samples.inc(samples)
-        self._metrics.queue.set(len(self._saved))
-
-    def _after_backward(self, step: bool) -> None:
-        self._counts["backward"] += 1
-        if self.compute.step(step):
-            self._counts["updates"] += 1
-
-    def refresh(self) -> int:
-        """Async mode: wait for the last push and load the newest weights (before evaluation)."""
-        return self.compute.refresh()
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative counters; the driver diffs them per progress interval."""
-        self._metrics.busy.set(self._busy.fraction)
-        out = {
-            "stage": self.stage.index,
-            "replica": self.replica,
-            "busy_s": self._busy.busy_s,
-            "pending": len(self._saved),
-            **self._counts,
-        }
-        self._counts["peak_pending"] = len(self._saved)
-        if self.compute.dense is not None:
-            out["dense_pulls"] = self.compute.dense.pulls
-            out["dense_max_lag"] = self.compute.dense.max_lag
-        return out
-
-    def dense_state(self) -> dict[str, np.ndarray]:
-        """The stage's dense weights under their whole-model names."""
-        self.faults.reached("save")
-        return self.compute.dense_state()
-
-    def train_state(self) -> dict[str, np.ndarray]:
-        """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""
-        self.faults.reached("checkpoint")
-        return self.compute.train_state()
-
-    def load_train_state(self, state: dict[str, np.ndarray]) -> None:
-        self.compute.load_train_state(state)
-
-    def rewire(self, generation: int, dense_ps: Any = None) -> None:
-        """After a fault elsewhere: drop half-done micro-batches and calls of older generations, and
-        use the (new) PS shard."""
-        self._generation = generation
-        self._saved.clear()
-        self.compute.rewire(dense_ps)
 
 
 @dataclass
@@ -313,11 +110,11 @@ class DataWorker:
         self._generation = generation  # see StageWorker: tags every call this worker sends
         self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
         self.model = model
-        self.compute = _compute(stage0, model, settings, dense_ps)
+        self.compute = stage_compute(stage0, model, settings, dense_ps)
         self.device = self.compute.device
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
-        self._busy = _Busy()
+        self._busy = Busy()
         self.sparse = SparseRows(self._ps_client(shards), index, data.workers, generation)
         self.schedule = settings.mode.sparse_schedule(self.sparse, self._busy, data.batches_ahead)
         self._batches = self._reader(skip=0)
@@ -332,10 +129,10 @@ class DataWorker:
         self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
         self._samples = 0
-        self._metrics = _Metrics("data", 0, index)
+        self._metrics = Metrics("data", 0, index)
 
     def describe(self) -> dict[str, Any]:
-        return _placement(
+        return placement(
             role="data",
             stage=0,
             replica=self.index,
