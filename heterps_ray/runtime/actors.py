@@ -13,6 +13,7 @@ The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,24 @@ class ActorSet:
         return self.data_workers[0]
 
     # -- replacing and ending ---------------------------------------------------------------------
+
+    def replace(self, dead: list[dict[str, Any]], placed: Callable[[list[Any]], None]) -> None:
+        """Kill the `dead` actors (kind, stage, replica, handle) for good, start replacements with the
+        same options (`placed` waits for them), raise the generation and fence the shards with it."""
+        for d in dead:
+            ray.kill(d["handle"], no_restart=True)
+        self.generation += 1
+        new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
+        placed([self.replace_shard(i) for i in new_shards])
+        self.register_dense_tables(new_shards)
+        for d in dead:
+            if d["kind"] == "stage_worker":
+                stage = self.stages[d["stage"]]
+                self.stage_workers[stage.index - 1][d["replica"]] = self.new_stage_worker(stage, d["replica"])
+        for i in [d["replica"] for d in dead if d["kind"] == "data_worker"]:
+            self.data_workers[i] = self.new_data_worker(i)
+        placed([a for *_, a in self.all_actors()])
+        ray.get([s.fence(self.generation) for s in self.shards])
 
     def rewire(self) -> None:
         """Every actor takes the current generation and handles (after replacements)."""
