@@ -14,10 +14,17 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, to_wire
 from heterps_ray.runtime.stage import Stash
-from heterps_ray.runtime.worker_base import Busy, Metrics, WorkerSettings, placement, stage_compute
+from heterps_ray.runtime.worker_base import (
+    Busy,
+    Metrics,
+    StageActor,
+    WorkerSettings,
+    placement,
+    stage_compute,
+)
 
 
-class StageWorker:
+class StageWorker(StageActor):
     """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
     gradient comes back; the last stage computes the loss. Saved activations are keyed by
     micro-batch id, so several DataWorkers can share a replica."""
@@ -53,10 +60,6 @@ class StageWorker:
             device=str(self.device),
             layers=list(self.stage.layers),
         )
-
-    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
-        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
-        self.faults.arm(point, how, flag)
 
     def forward(self, mb_id: int, x: Wire, gen: int = 0) -> Wire:
         """Forward one micro-batch and keep what backward needs (nothing for a stale `gen`)."""
@@ -116,10 +119,6 @@ class StageWorker:
         if self.compute.step(step):
             self._counts["updates"] += 1
 
-    def refresh(self) -> int:
-        """Async mode: wait for the last push and load the newest weights (before evaluation)."""
-        return self.compute.refresh()
-
     def stats(self) -> dict[str, Any]:
         """Cumulative counters; the driver diffs them per progress interval."""
         self._metrics.busy.set(self._busy.fraction)
@@ -135,11 +134,6 @@ class StageWorker:
             out["dense_pulls"] = self.compute.dense.pulls
             out["dense_max_lag"] = self.compute.dense.max_lag
         return out
-
-    def dense_state(self) -> dict[str, np.ndarray]:
-        """The stage's dense weights under their whole-model names."""
-        self.faults.reached("save")
-        return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""

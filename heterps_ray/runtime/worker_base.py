@@ -1,5 +1,6 @@
 """What every actor of the pipeline shares: its settings (:class:`WorkerSettings`), the stage compute
-built from them, its placement report, its Ray metrics and its busy-time clock."""
+built from them, its placement report, its Ray metrics, its busy-time clock and the calls every
+worker answers alike (:class:`StageActor`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import actor_placement
@@ -81,3 +84,24 @@ class Busy:
     @property
     def fraction(self) -> float:
         return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
+
+
+class StageActor:
+    """What every worker answers about its stage, whichever it is: chaos faults armed, the newest
+    weights loaded (async weights on a PS, before evaluation), the dense weights saved."""
+
+    compute: StageCompute
+    faults: FaultPoints
+
+    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
+        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
+        self.faults.arm(point, how, flag)
+
+    def refresh(self) -> int:
+        """Wait for the last dense push and load the newest weights (weights on a PS; before evaluation)."""
+        return self.compute.refresh()
+
+    def dense_state(self) -> dict[str, np.ndarray]:
+        """The stage's dense weights under their whole-model names."""
+        self.faults.reached("save")
+        return self.compute.dense_state()

@@ -31,7 +31,14 @@ from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
 from heterps_ray.runtime.stage import Stash
 from heterps_ray.runtime.stage_worker import StageWorker
-from heterps_ray.runtime.worker_base import Busy, Metrics, WorkerSettings, placement, stage_compute
+from heterps_ray.runtime.worker_base import (
+    Busy,
+    Metrics,
+    StageActor,
+    WorkerSettings,
+    placement,
+    stage_compute,
+)
 
 T = TypeVar("T")
 
@@ -83,7 +90,7 @@ class _MicroBatch:
     loss: float | None = None
 
 
-class DataWorker:
+class DataWorker(StageActor):
     """Reads its share of the data, pulls sparse rows, runs stage 0, drives the micro-batches through
     the StageWorkers, runs stage 0's backward and pushes the sparse gradients to the PS.
 
@@ -156,10 +163,6 @@ class DataWorker:
         return call(self.hosted[shard])
 
     # -- training ---------------------------------------------------------------------------------
-
-    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
-        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
-        self.faults.arm(point, how, flag)
 
     def run(self, steps: int) -> dict[str, Any]:
         """Train up to `steps` batches; returns their losses (in batch order) and counters."""
@@ -382,10 +385,6 @@ class DataWorker:
             return {"logits": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
         return {"logits": np.concatenate(logits), "labels": np.concatenate(labels)}
 
-    def refresh(self) -> int:
-        """Async mode: load the newest stage-0 weights from the PS (before evaluation)."""
-        return self.compute.refresh()
-
     def stats(self) -> dict[str, Any]:
         out = {
             "stage": 0,
@@ -398,10 +397,6 @@ class DataWorker:
         }
         self._peak_in_flight = 0
         return out
-
-    def dense_state(self) -> dict[str, np.ndarray]:
-        self.faults.reached("save")
-        return self.compute.dense_state()
 
     def train_state(self) -> dict[str, np.ndarray]:
         """Between runs: weights, optimizer state (sync) and the position in the data."""
