@@ -210,12 +210,6 @@ class RuntimeConfig(BaseModel):
         "overlaps stages across batches, on rows and weights that many updates old)",
     )
     ps_shards: int | None = Field(None, ge=1, description="override the plan's PS shard count")
-    compiled_graph: bool = Field(
-        False,
-        description="run a DataWorker's chain of single-replica stages as a Ray Compiled Graph "
-        "(shared-memory channels, but every actor of the graph spins a core while it waits: worth it "
-        "where each actor has cores of its own); false: one plain actor call per stage and direction",
-    )
     mlflow: bool = Field(
         False, description="also log the run's metrics to MLflow (needs `pip install mlflow`)"
     )

@@ -343,7 +343,6 @@ DEFAULT_SYSTEMS = [
     "async:one_stage_big",
     "sync:one_stage_small",
     "sync:two_stage",
-    "sync:two_stage:compiled_graph=0",
     "async:two_stage:batches_ahead=1",
     "sync:quickstart",
     "async:quickstart_async",

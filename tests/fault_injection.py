@@ -26,20 +26,20 @@ class ActorKiller:
     def __call__(self, live: Any) -> None:
         if self.thread is not None:
             return
-        victim = {
-            "ps_shard": live.shards[0],
-            "data_worker": live.data_workers[0],
-            "stage_worker": live.stage_workers[0][0],
-        }[self.kind]
+        victim = {  # lazily: a plan whose shards are hosted in DataWorker 0 has no shard actors
+            "ps_shard": lambda: live.shards[0],
+            "data_worker": lambda: live.data_workers[0],
+            "stage_worker": lambda: live.stage_workers[0][0],
+        }[self.kind]()
         pid = ray.get(victim.describe.remote())["pid"]
-        watched = live.shards[-1]  # never the victim unless the plan has a single shard
+        watched = live.ps[-1]  # never the victim unless the plan has a single shard
         self.thread = threading.Thread(target=self._strike, args=(victim, pid, watched), daemon=True)
         self.thread.start()
 
     def _strike(self, victim: Any, pid: int, watched: Any) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            pushes = int(ray.get(watched.stats.remote())["pushes"])
+            pushes = int(ray.get(watched.stats())["pushes"])
             if pushes >= self.after:
                 break
             time.sleep(0.002)
@@ -64,11 +64,11 @@ class PhaseKiller:
     def __call__(self, live: Any) -> None:
         if self.armed_at is not None or live.step < self.at:
             return
-        victim = {
-            "ps_shard": live.shards[0],
-            "data_worker": live.data_workers[0],
-            "stage_worker": live.stage_workers[0][0] if live.stage_workers else None,
-        }[self.kind]
+        victim = {  # lazily: a plan whose shards are hosted in DataWorker 0 has no shard actors
+            "ps_shard": lambda: live.shards[0],
+            "data_worker": lambda: live.data_workers[0],
+            "stage_worker": lambda: live.stage_workers[0][0] if live.stage_workers else None,
+        }[self.kind]()
         flag = os.path.join(self.flag_dir, f"{self.kind}-{self.point}.flag")
         how = "sigkill" if self.method == "sigkill" else "wait"
         ray.get(victim.arm_fault.remote(self.point, how, flag))

@@ -134,6 +134,19 @@ def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_removed_compiled_graph_option_is_refused_naming_it(tmp_path):
+    """runtime.compiled_graph was removed (Ray Compiled Graphs are in maintenance mode upstream): a job
+    that still sets it is bad input naming the field, not silently trained without it."""
+    path = _write(tmp_path, _job(runtime={"compiled_graph": True}))
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    assert "runtime.compiled_graph" in str(err.value) and "unknown field" in str(err.value)
+    proc = subprocess.run(
+        [sys.executable, "-m", "heterps_ray", "check", str(path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "compiled_graph" in proc.stderr
+
+
 def test_cli_check_ok(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "heterps_ray", "check", str(_write(tmp_path, _job()))],

@@ -48,7 +48,7 @@ def run_probe(
             "mode": "sync",
             "runtime": job.runtime.model_copy(
                 update={"micro_batches": 1, "batches_ahead": 0, "ps_hosting": "auto", "checkpoint_every": 0, "checkpoint_interval_s": 0,
-                        "train_steps": None, "compiled_graph": False, "ps_shards": None, "epochs": 1000}
+                        "train_steps": None, "ps_shards": None, "epochs": 1000}
             ),
         }
     )  # fmt: skip

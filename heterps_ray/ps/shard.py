@@ -445,26 +445,67 @@ def split_keys(keys: np.ndarray, num_shards: int) -> KeySplit:
     return KeySplit(keys.shape, unique, inverse, positions)
 
 
+class _ShardActors:
+    """PSClient's shards as Ray actors: each call is a Ray call, pulls are gathered, pushes are left
+    in flight (their refs returned)."""
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    def pull(self, calls: dict[int, tuple[Any, ...]]) -> dict[int, np.ndarray]:
+        refs = {s: self.handles[s].pull.remote(*args) for s, args in calls.items()}
+        return dict(zip(refs, ray.get(list(refs.values())), strict=True))
+
+    def push(self, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
+        return [self.handles[s].push.remote(*args) for s, args in calls.items()]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([h.stats.remote() for h in self.handles])
+
+    def states(self) -> list[dict[str, np.ndarray]]:
+        return ray.get([h.state.remote() for h in self.handles])
+
+
+class _HostedShards:
+    """PSClient's shards as PSShard objects of this process: plain calls, nothing serialised, and no
+    push left in flight (applied on return)."""
+
+    def __init__(self, shards: list[PSShard]):
+        self.shards = shards
+
+    def pull(self, calls: dict[int, tuple[Any, ...]]) -> dict[int, np.ndarray]:
+        return {s: self.shards[s].pull(*args) for s, args in calls.items()}
+
+    def push(self, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
+        for s, args in calls.items():
+            self.shards[s].push(*args)
+        return []
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [s.stats() for s in self.shards]
+
+    def states(self) -> list[dict[str, np.ndarray]]:
+        return [s.state() for s in self.shards]
+
+
 class PSClient:
     """Pulls and pushes sparse rows across shards: one call per shard, keys de-duplicated.
 
     `shards` are PSShard actor handles, or with ``hosted=True`` PSShard objects of this process
-    (called directly: nothing is serialised and no push is left in flight).
+    (called directly: nothing is serialised and no push is left in flight). Which of the two is
+    decided here, once (:class:`_ShardActors` or :class:`_HostedShards`).
     """
 
     def __init__(self, shards: list[Any], hosted: bool = False):
         if not shards:
             raise ValueError("a PSClient needs at least one shard")
         self.shards = list(shards)
-        self.hosted = hosted
+        self._link: _ShardActors | _HostedShards = (
+            _HostedShards(self.shards) if hosted else _ShardActors(self.shards)
+        )
 
     def split(self, keys: np.ndarray) -> KeySplit:
         return split_keys(keys, len(self.shards))
-
-    def _call(self, shard: int, method: str, *args: Any) -> Any:
-        if self.hosted:
-            return getattr(self.shards[shard], method)(*args)
-        return getattr(self.shards[shard], method).remote(*args)
 
     def pull(
         self,
@@ -477,12 +518,13 @@ class PSClient:
         """Rows for `keys` of any shape: float32[*keys.shape, dim] (`split`: its precomputed split;
         `step`: the global batch index, for tables with admission or TTL)."""
         split = split or self.split(keys)
-        calls = {
-            s: self._call(s, "pull", table, split.unique[pos], create, True, step)
-            for s, pos in enumerate(split.positions)
-            if len(pos)
-        }
-        parts = calls if self.hosted else dict(zip(calls, ray.get(list(calls.values())), strict=True))
+        parts = self._link.pull(
+            {
+                s: (table, split.unique[pos], create, True, step)
+                for s, pos in enumerate(split.positions)
+                if len(pos)
+            }
+        )
         dim = next(iter(parts.values())).shape[1]
         if len(parts) == 1:
             rows = next(iter(parts.values()))
@@ -505,21 +547,16 @@ class PSClient:
         call (maybe with no keys), so each counts the batch."""
         split = split or self.split(keys)
         summed = sum_rows(split.inverse, grads, len(split.unique))
-        calls = [
-            self._call(s, "push", table, split.unique[pos], summed[pos], tag, True)
-            for s, pos in enumerate(split.positions)
-            if len(pos) or tag is not None
-        ]
-        return [] if self.hosted else calls
-
-    def stats(self) -> list[dict[str, Any]]:
-        return (
-            [self._call(s, "stats") for s in range(len(self.shards))]
-            if self.hosted
-            else ray.get([s.stats.remote() for s in self.shards])
+        return self._link.push(
+            {
+                s: (table, split.unique[pos], summed[pos], tag, True)
+                for s, pos in enumerate(split.positions)
+                if len(pos) or tag is not None
+            }
         )
 
+    def stats(self) -> list[dict[str, Any]]:
+        return self._link.stats()
+
     def states(self) -> list[dict[str, np.ndarray]]:
-        if self.hosted:
-            return [s.state() for s in self.shards]
-        return ray.get([s.state.remote() for s in self.shards])
+        return self._link.states()

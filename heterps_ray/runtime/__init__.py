@@ -9,9 +9,8 @@ Design (see DESIGN.md §1):
   ``torch.set_num_threads(type.torch_threads)`` and uses ``cuda`` when the type's device is cuda
   and a GPU is visible, else the CPU.
 * **No driver in the data path.** Each DataWorker drives its micro-batches through the
-  StageWorkers itself. A chain of single-replica stages is one Ray Compiled Graph
-  (``chain.py``: shared-memory channels, forward through stages 1..S-1, loss, backward back);
-  with replicas it chains ObjectRefs with plain actor calls, micro-batch ``c`` of DataWorker
+  StageWorkers itself, chaining ObjectRefs with plain actor calls (activations inline in the
+  call: ``cluster.SYSTEM_CONFIG`` raises Ray's direct-call object size), micro-batch ``c`` of DataWorker
   ``w`` going to replica ``(c + w) % k`` of a stage with ``k`` replicas (M:N round robin) and
   its backward to the same replicas. At most ``runtime.max_in_flight`` micro-batches per
   DataWorker are in flight; calls from one DataWorker run in submission order on each actor.
@@ -19,6 +18,12 @@ Design (see DESIGN.md §1):
   by PS shard while the current one trains.
 * **PS hosting**: with one DataWorker and no replicated stage, the PS shards live in the
   DataWorker's process (``runtime.ps_hosting: auto``); pulls and pushes are plain calls then.
+* **Modes** (``modes.py``): what sync and async do differently sits in one object per mode, chosen
+  once when the run starts (``ActorSet.mode``): the plan's replica rule, where dense weights live,
+  the DataWorker's sparse schedule (``sparse.py``: per batch or per micro-batch), the dense fence
+  before a snapshot, the resume rule and the accounting. Workers and phases run one path.
+* **PS shards for the driver** (``shards.py``): one interface whether a shard is an actor or hosted
+  in DataWorker 0 (``RemoteShard``, ``HostedShard``), chosen when the actor set starts.
 * **Stage compute** (``stage.py``): what DataWorkers and StageWorkers both do with their layers
   (module, optimizer, backward from wire gradients, weight stashing, state).
 * **sync** = numerically the reference trainer (``reference.py``): one replica per stage; a batch

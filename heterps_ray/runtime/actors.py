@@ -13,8 +13,8 @@ The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -24,16 +24,14 @@ from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
 from heterps_ray.runtime import warm
+from heterps_ray.runtime.modes import mode_of
 from heterps_ray.runtime.pipeline import StageSpec
-from heterps_ray.runtime.stage import canonical_names, dense_home, dense_table_name
-from heterps_ray.runtime.workers import (
-    SPARSE_TABLE,
-    DataSettings,
-    DataWorker,
-    HostedPS,
-    StageWorker,
-    WorkerSettings,
-)
+from heterps_ray.runtime.shards import HostedShard, RemoteShard, ShardHandle
+from heterps_ray.runtime.sparse import SPARSE_TABLE
+from heterps_ray.runtime.stage import canonical_names, dense_table_name
+from heterps_ray.runtime.stage_worker import StageWorker
+from heterps_ray.runtime.worker_base import WorkerSettings
+from heterps_ray.runtime.workers import DataSettings, DataWorker, HostedPS
 
 READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
 
@@ -53,8 +51,9 @@ def hosts_shards(job: JobConfig, replicas: list[int]) -> bool:
 
 
 class ActorSet:
-    """The live actors of a plan: ``shards`` (PS shard actors, or handles to the shards hosted in
-    DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0)."""
+    """The live actors of a plan: ``shard_actors`` (PS shard actors; none when the shards are hosted in
+    DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0);
+    ``shards`` reaches every PS shard, wherever it lives (shards.py)."""
 
     def __init__(
         self, job: JobConfig, model: ModelSpec, stages: list[StageSpec], num_shards: int, files: list[Path]
@@ -69,10 +68,11 @@ class ActorSet:
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, [s.replicas for s in stages])
-        # one DataWorker drives single-replica stages as one compiled graph (chain.py); an actor
-        # takes part in one graph at a time, so several DataWorkers keep plain calls
-        self.chained = job.runtime.compiled_graph and len(stages) > 1 and all(s.replicas == 1 for s in stages)
-        self.shards: list[Any] = []
+        self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
+        self.shards: list[ShardHandle] = []
+        self.shard_actors: list[Any] = []
+        # what a DataWorker is given to reach the shards: their actors, or what to host itself
+        self.worker_shards: list[Any] | HostedPS = self.shard_actors
         self.stage_workers: list[list[Any]] = []
         self.data_workers: list[Any] = []
         self.generation = 0  # raised at each recovery; older calls still in flight are dropped
@@ -83,13 +83,19 @@ class ActorSet:
         rtype = self.job.cluster.type(stage.type)
         return WorkerSettings(
             seed=self.job.seed,
-            mode=self.job.mode,
+            mode=self.mode,
             optimizer=self.job.optimizer,
             device=rtype.device,
             torch_threads=rtype.torch_threads,
             type_name=rtype.name,
             max_staleness=self.job.runtime.max_staleness,
         )
+
+    def replace_shard(self, index: int) -> Any:
+        """A new actor for PS shard `index` (after its death), reached through ``shards`` as well."""
+        self.shard_actors[index] = self.new_shard(index)
+        self.shards[index] = RemoteShard(self.shard_actors[index])
+        return self.shard_actors[index]
 
     def new_shard(self, index: int) -> Any:
         cluster = self.job.cluster
@@ -117,12 +123,10 @@ class ActorSet:
             micro_batches=self.job.runtime.micro_batches,
             epochs=self.job.runtime.epochs,
             max_in_flight=self.job.runtime.max_in_flight,
-            batches_ahead=self.job.runtime.batches_ahead if self.job.mode == "async" else 0,
-            compiled_chain=self.chained,
+            batches_ahead=self.job.runtime.batches_ahead,
             workers=self.num_workers,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
-        shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table}) if self.hosted else self.shards
         return warm.spawn(
             DataWorker,
             options,
@@ -132,7 +136,7 @@ class ActorSet:
             self.worker_settings(stage0),
             data,
             self.stage_workers,
-            shards,
+            self.worker_shards,
             self.dense_ps(stage0),
             self.generation,
         )
@@ -140,11 +144,12 @@ class ActorSet:
     def start(self) -> list[dict[str, Any]]:
         """Start shards, stage workers and data workers; wait until all are placed."""
         if self.hosted:
-            self.shards = [_HostedShard(self, i) for i in range(self.num_shards)]
+            self.worker_shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table})
+            self.shards = [HostedShard(self.data_worker_0, i) for i in range(self.num_shards)]
         else:
-            self.shards = [self.new_shard(i) for i in range(self.num_shards)]
-        if self.job.mode == "async":
-            self.register_dense_tables(range(self.num_shards))
+            self.shard_actors[:] = [self.new_shard(i) for i in range(self.num_shards)]
+            self.shards = [RemoteShard(a) for a in self.shard_actors]
+        self.register_dense_tables(range(self.num_shards))
         self.stage_workers = [
             [self.new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
         ]
@@ -166,12 +171,12 @@ class ActorSet:
 
     def dense_ps(self, stage: StageSpec) -> Any:
         """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
-        if dense_home(self.job.mode, stage.replicas) != "ps":
+        if self.mode.dense_home(stage.replicas) != "ps":
             return None
-        return self.shards[stage.index % self.num_shards]
+        return self.shard_actors[stage.index % self.num_shards]
 
     def register_dense_tables(self, shards: Any) -> None:
-        """Async mode: the initial dense weights of every stage whose PS shard is in `shards`."""
+        """The initial dense weights of every stage kept on a PS shard in `shards` (none in sync mode)."""
         refs = []
         wanted = set(shards)
         for stage in self.stages:
@@ -207,7 +212,7 @@ class ActorSet:
     def all_actors(self) -> list[tuple[str, int, int, Any]]:
         """(kind, stage, replica, handle) of every actor; PS shards have stage -1 (hosted shards are
         no actors: they live and die with DataWorker 0)."""
-        out = [] if self.hosted else [("ps_shard", -1, i, s) for i, s in enumerate(self.shards)]
+        out = [("ps_shard", -1, i, s) for i, s in enumerate(self.shard_actors)]
         for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
             out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
         return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
@@ -255,9 +260,31 @@ class ActorSet:
         return [s["wait_s"] for s in ray.get([w.stats.remote() for w in self.data_workers])]
 
     def ps_stats(self) -> list[dict[str, Any]]:
-        return ray.get([s.stats.remote() for s in self.shards])
+        return ray.get([s.stats() for s in self.shards])
+
+    def data_worker_0(self) -> Any:
+        """The DataWorker that hosts the PS shards of a hosted plan (the current one, after recoveries)."""
+        return self.data_workers[0]
 
     # -- replacing and ending ---------------------------------------------------------------------
+
+    def replace(self, dead: list[dict[str, Any]], placed: Callable[[list[Any]], None]) -> None:
+        """Kill the `dead` actors (kind, stage, replica, handle) for good, start replacements with the
+        same options (`placed` waits for them), raise the generation and fence the shards with it."""
+        for d in dead:
+            ray.kill(d["handle"], no_restart=True)
+        self.generation += 1
+        new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
+        placed([self.replace_shard(i) for i in new_shards])
+        self.register_dense_tables(new_shards)
+        for d in dead:
+            if d["kind"] == "stage_worker":
+                stage = self.stages[d["stage"]]
+                self.stage_workers[stage.index - 1][d["replica"]] = self.new_stage_worker(stage, d["replica"])
+        for i in [d["replica"] for d in dead if d["kind"] == "data_worker"]:
+            self.data_workers[i] = self.new_data_worker(i)
+        placed([a for *_, a in self.all_actors()])
+        ray.get([s.fence(self.generation) for s in self.shards])
 
     def rewire(self) -> None:
         """Every actor takes the current generation and handles (after replacements)."""
@@ -268,7 +295,7 @@ class ActorSet:
             w.rewire.remote(
                 self.generation,
                 self.stage_workers,
-                [] if self.hosted else self.shards,
+                self.worker_shards,
                 self.dense_ps(self.stages[0]),
             )
             for w in self.data_workers
@@ -278,10 +305,6 @@ class ActorSet:
     def shutdown(self, keep_warm: bool = False) -> None:
         """End the set's actors; `keep_warm` (the run is quiescent: no call of it in flight): keep them
         idle for the next run in this driver (warm.py) instead of killing them."""
-        # compiled chains first: their actors' loops end cleanly before the actors are killed
-        ray.wait(
-            [w.close.remote() for w in self.data_workers], num_returns=len(self.data_workers), timeout=10
-        )
         classes = {"ps_shard": PSShard, "stage_worker": StageWorker, "data_worker": DataWorker}
         for kind, stage, _, actor in self.all_actors():
             if keep_warm:
@@ -290,19 +313,4 @@ class ActorSet:
             else:
                 ray.kill(actor)
         self.data_workers, self.stage_workers, self.shards = [], [], []
-
-
-class _HostedShard:
-    """A PS shard hosted in DataWorker 0's process, addressed like a shard actor: ``shard.m.remote(...)``
-    calls ``DataWorker.shard_call(index, "m", ...)`` on whichever DataWorker 0 is current."""
-
-    def __init__(self, actors: ActorSet, index: int):
-        self._actors, self._index = actors, index
-
-    def __getattr__(self, method: str) -> Any:
-        actors, index = self._actors, self._index
-
-        def remote(*args: Any) -> Any:
-            return actors.data_workers[0].shard_call.remote(index, method, *args)
-
-        return SimpleNamespace(remote=remote)
+        self.shard_actors.clear()

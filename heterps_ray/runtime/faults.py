@@ -43,9 +43,7 @@ class FaultRecord:
     )
 
 
-# A compiled chain (chain.py) sees a dead actor as a closed or silent channel; the probes of the
-# recovery then tell which actor died (none: the error is re-raised).
-_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.RayChannelError)
+_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 
 def is_actor_death(exc: BaseException) -> bool:

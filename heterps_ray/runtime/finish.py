@@ -13,8 +13,7 @@ import ray
 from heterps_ray.runtime.actors import ActorSet
 from heterps_ray.runtime.checkpoint import save_checkpoint
 from heterps_ray.runtime.evaluation import evaluate_logits
-from heterps_ray.runtime.faults import batch_accounting
-from heterps_ray.runtime.workers import SPARSE_TABLE
+from heterps_ray.runtime.sparse import SPARSE_TABLE
 
 _EVAL_BATCH = 4096  # rows per evaluation micro-batch
 
@@ -44,10 +43,7 @@ def accounting(
 ) -> dict[str, Any]:
     """Sync mode: batches applied exactly once on every PS shard, lost and duplicated (from the
     shards' own counts); async mode: the sparse updates each DataWorker sent."""
-    if actors.job.mode == "sync":
-        applied = ray.get([s.applied.remote() for s in actors.shards])
-        return batch_accounting(applied, positions)
-    return {"updates": sum(p["updates"] for p in progress.values())}
+    return actors.mode.accounting(actors.shards, positions, progress)
 
 
 def save_model(actors: ActorSet, directory: Path) -> Path:
@@ -58,7 +54,7 @@ def save_model(actors: ActorSet, directory: Path) -> Path:
         + [r[0].dense_state.remote() for r in actors.stage_workers]
     ):
         dense.update(part)
-    states = ray.get([s.state.remote() for s in actors.shards])
+    states = ray.get([s.state() for s in actors.shards])
     prefix = f"sparse/{SPARSE_TABLE}/"
     sparse = [{k[len(prefix) :]: v for k, v in st.items() if k.startswith(prefix)} for st in states]
     settings = {k: v for k, v in asdict(actors.table).items() if k != "dim"}

@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from heterps_ray.runtime.elastic import ResourcesChanged, change_reason, present
 from heterps_ray.runtime.faults import is_actor_death
 from heterps_ray.runtime.pipeline import StageSpec
 from heterps_ray.runtime.recovery import SETTLE_TIMEOUT_S, Recovery
+from heterps_ray.runtime.shards import ShardHandle
 from heterps_ray.runtime.snapshots import CheckpointSaver
 
 T = TypeVar("T")
@@ -47,9 +48,10 @@ class LiveActors:
     (monitoring, and fault-injection tests that kill one of them)."""
 
     step: int
-    shards: list[Any]
+    shards: list[Any]  # PS shard actors (none when the shards are hosted in DataWorker 0)
     data_workers: list[Any]
     stage_workers: list[list[Any]]  # stages 1..S-1, replicas each
+    ps: list[ShardHandle] = field(default_factory=list)  # every PS shard, wherever it lives (shards.py)
 
 
 class FloorMissed(Exception):
@@ -145,7 +147,9 @@ class ChunkLoop:
                         reason = change_reason(types_before, now, self.plan_types)
                         if reason is not None:
                             checkpoint = self._checkpoint_now(done, samples, losses)
-                            raise ResourcesChanged(reason, types_before, now, done, checkpoint, between_chunks=True)
+                            raise ResourcesChanged(
+                                reason, types_before, now, done, checkpoint, between_chunks=True
+                            )
                     if floor and _floor_due(chunks):
                         rate, window = steady_rate(chunks) or 0.0, sum(c[1] for c in chunks[1:])
                         met = rate >= FLOOR_SHORTFALL * floor
@@ -195,7 +199,13 @@ class ChunkLoop:
                     stats = actors.stage_stats()
                     if settings.on_chunk is not None:
                         settings.on_chunk(
-                            LiveActors(done, actors.shards, actors.data_workers, actors.stage_workers)
+                            LiveActors(
+                                done,
+                                actors.shard_actors,
+                                actors.data_workers,
+                                actors.stage_workers,
+                                actors.shards,
+                            )
                         )
                     # inside the handler too: an actor (hosted shards: DataWorker 0) whose node goes
                     # away between chunks is recovered (or re-planned), not an error of the run

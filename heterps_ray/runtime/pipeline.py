@@ -18,6 +18,7 @@ from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec
+from heterps_ray.runtime.modes import mode_of
 
 Wire = list[np.ndarray | None]
 
@@ -57,6 +58,7 @@ def resolve_stages(plan: Plan, model: ModelSpec, job: JobConfig, file: str | Non
             len(assignment),
         )
     known = [t.name for t in job.cluster.resource_types]
+    mode = mode_of(job.mode)
     stages: list[StageSpec] = []
     start = 0
     for i, stage in enumerate(plan.stages):
@@ -93,13 +95,7 @@ def resolve_stages(plan: Plan, model: ModelSpec, job: JobConfig, file: str | Non
             )
         if int(stage.replicas) < 1:
             raise ConfigError(file, f"stages.{i}.replicas", "at least 1", stage.replicas)
-        if job.mode == "sync" and stage.replicas != 1:
-            raise ConfigError(
-                file,
-                f"stages.{i}.replicas",
-                "1 in sync mode (sync trains exactly like one process); set `mode: async` in the job for replicas",
-                stage.replicas,
-            )
+        mode.check_replicas(int(stage.replicas), file, f"stages.{i}.replicas")
         stages.append(StageSpec(i, start, end, stage.type, int(stage.replicas), tuple(layers)))
         start = end
     if start != len(names):

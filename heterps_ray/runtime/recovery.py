@@ -100,7 +100,7 @@ class Recovery:
                     point.checkpoint,
                 ) from exc
         at_fault = self._progress_now(dead)
-        self._replace(dead, _ReplacementWait(actors, point, plan_types, types_before))
+        actors.replace(dead, _ReplacementWait(actors, point, plan_types, types_before).placed)
         self.store.roll_back_shards(point.source)
         actors.rewire()
         self.store.roll_back_actors(point.source)
@@ -119,38 +119,6 @@ class Recovery:
             )
         )  # fmt: skip
         return point
-
-    def _replace(self, dead: list[dict[str, Any]], wait: _ReplacementWait) -> None:
-        """Kill the dead actors for good and start replacements with the same options."""
-        actors = self.actors
-        for d in dead:
-            ray.kill(d["handle"], no_restart=True)
-        replaced = list(dead)
-        if actors.chained and any(d["kind"] == "data_worker" for d in dead):
-            # The dead DataWorker drove a compiled chain that no one can tear down now: its
-            # StageWorkers are stuck in the old graph's loop, so they are replaced as well (their
-            # state is restored from the recovery point like everyone else's).
-            for kind, stage_index, replica, handle in actors.all_actors():
-                if kind == "stage_worker" and not any(d["handle"] is handle for d in dead):
-                    ray.kill(handle, no_restart=True)
-                    replaced.append({"kind": kind, "stage": stage_index, "replica": replica})
-        actors.generation += 1
-        new_shards = [d["replica"] for d in dead if d["kind"] == "ps_shard"]
-        for i in new_shards:
-            actors.shards[i] = actors.new_shard(i)
-        wait.placed([actors.shards[i] for i in new_shards])
-        if actors.job.mode == "async" and new_shards:
-            actors.register_dense_tables(new_shards)
-        for d in replaced:
-            if d["kind"] == "stage_worker":
-                stage = actors.stages[d["stage"]]
-                actors.stage_workers[stage.index - 1][d["replica"]] = actors.new_stage_worker(
-                    stage, d["replica"]
-                )
-        for i in [d["replica"] for d in dead if d["kind"] == "data_worker"]:
-            actors.data_workers[i] = actors.new_data_worker(i)
-        wait.placed([a for *_, a in actors.all_actors()])
-        ray.get([s.fence.remote(actors.generation) for s in actors.shards])
 
     def _find_dead(self, hung_workers: set[int]) -> list[dict[str, Any]]:
         """Probe every actor; the ones that do not answer (or whose chunk never ended) are dead."""

@@ -29,6 +29,7 @@ from heterps_ray.runtime.checkpoint import (
     jsonable,
     latest_training_checkpoint,
 )
+from heterps_ray.runtime.modes import mode_of
 from heterps_ray.runtime.stage import dense_table_name
 
 # A recovery source: a checkpoint directory, or the in-memory start state of StateStore.capture.
@@ -50,9 +51,8 @@ class StateStore:
         """Between chunks (sparse pushes settled, optimizers stepped): every actor's state into `tmp`.
         Returns each PS shard's report of its snapshot (file, SHA-256, node), for the manifest."""
         actors = self.actors
-        if actors.job.mode == "async":  # dense pushes of stage replicas land before the snapshot
-            ray.get([w.refresh.remote() for r in actors.stage_workers for w in r])
-        snapshots = [s.snapshot.remote(str(tmp / shard_file(i))) for i, s in enumerate(actors.shards)]
+        ray.get(actors.mode.settle_dense([w for r in actors.stage_workers for w in r]))
+        snapshots = [s.snapshot(str(tmp / shard_file(i))) for i, s in enumerate(actors.shards)]
         try:
             owners = actors.trained_actors()
             for name, state in zip(
@@ -72,7 +72,7 @@ class StateStore:
         owners = self.actors.trained_actors()
         states = ray.get([a.train_state.remote() for a in owners.values()])
         return {
-            "shards": ray.get([s.state.remote() for s in self.actors.shards]),
+            "shards": ray.get([s.state() for s in self.actors.shards]),
             "actors": dict(zip(owners, states, strict=True)),
         }
 
@@ -82,7 +82,7 @@ class StateStore:
         count differs. Async mode: the same, and the dense weights with their Adam moments move
         between the workers and the PS by layer name, wherever each plan keeps a stage's weights (a
         replicated stage on a PS shard, a single replica in its worker; stage/dense_home)."""
-        if remap and self.actors.job.mode == "async":
+        if remap and self.actors.mode.moves_dense:
             self._remapped.add(Path(directory))  # a fault later rolls back to it the same way
         self.roll_back_shards(Path(directory))
         self.roll_back_actors(Path(directory))
@@ -90,18 +90,18 @@ class StateStore:
     def roll_back_shards(self, source: Source) -> None:
         actors = self.actors
         if isinstance(source, dict):
-            ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, source["shards"], strict=True)])
+            ray.get([s.load_state(st) for s, st in zip(actors.shards, source["shards"], strict=True)])
             return
         if source in self._remapped:
             states = self._remapped_shard_states(source)
-            ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, states, strict=True)])
+            ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
             return
         files = sorted(source.glob("ps-shard-*.npz"))
         if len(files) == actors.num_shards:
-            ray.get([s.restore.remote(str(source / shard_file(i))) for i, s in enumerate(actors.shards)])
+            ray.get([s.restore(str(source / shard_file(i))) for i, s in enumerate(actors.shards)])
             return
         states = reshard_states([read_npz(f) for f in files], actors.num_shards)
-        ray.get([s.load_state.remote(st) for s, st in zip(actors.shards, states, strict=True)])
+        ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
 
     def roll_back_actors(self, source: Source) -> None:
         actors = self.actors
@@ -127,8 +127,8 @@ class StateStore:
                     state.update({k: v for k, v in saved[name].items() if k.startswith("data/")})
                 refs.append(actor.load_train_state.remote(state))
             ray.get(refs)
-        if actors.job.mode == "async":  # replicas take the restored weights from the PS
-            ray.get([w.refresh.remote() for kind, _, _, w in actors.all_actors() if kind != "ps_shard"])
+        # replicas take the restored weights from the PS
+        ray.get(actors.mode.settle_dense([w for kind, _, _, w in actors.all_actors() if kind != "ps_shard"]))
 
     def _remapped_shard_states(self, source: Path) -> list[dict[str, np.ndarray]]:
         """States of this plan's PS shards from an async checkpoint of another plan: the sparse rows
@@ -289,7 +289,7 @@ def resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int, mode: 
     saved = (manifest.get("plan") or {}).get("stages") or []
     same = saved == stages and manifest.get("ps_shards") == num_shards
     workers = stages[0]["replicas"] if stages else None
-    if not same and (not saved or (mode == "sync" and saved[0].get("replicas") != workers)):
+    if not same and (not saved or not mode_of(mode).resumes_with(saved[0].get("replicas"), workers)):
         raise ConfigError(
             str(directory / MANIFEST),
             "plan",

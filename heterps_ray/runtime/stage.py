@@ -2,7 +2,7 @@
 stage module on its device, run forward and backward (from gradients on the wire), step the dense
 weights, and save or load their state.
 
-Where the dense weights live (:func:`dense_home`):
+Where the dense weights live (the run's mode decides, ``modes.Mode.dense_home``):
 
 * ``local`` — the stage has one replica in all: its weights and optimizer (Adam/SGD, as the reference
   trainer's) stay in the worker. Sync mode always; async mode too, since no one shares them.
@@ -33,16 +33,12 @@ from torch.func import functional_call
 
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec
+from heterps_ray.runtime.modes import Mode
 from heterps_ray.runtime.pipeline import StageSpec, Wire, pick_device
 
 
 def dense_table_name(stage_index: int) -> str:
     return f"stage{stage_index}"
-
-
-def dense_home(mode: str, replicas: int) -> str:
-    """'local' or 'ps': where a stage's dense weights live (see the module docstring)."""
-    return "ps" if mode == "async" and replicas > 1 else "local"
 
 
 def canonical_names(module: torch.nn.Module, model: ModelSpec) -> dict[str, str]:
@@ -152,7 +148,7 @@ class StageCompute:
         stage: StageSpec,
         model: ModelSpec,
         seed: int,
-        mode: str,
+        mode: Mode,
         optimizer: OptimizerConfig,
         device: str,
         max_staleness: int = 0,
@@ -161,14 +157,14 @@ class StageCompute:
         self.device = pick_device(device)
         self.module = model.build(stage.start, stage.end, seed).to(self.device)
         self.names = canonical_names(self.module, model)
-        self.home = dense_home(mode, stage.replicas)
+        self.home = mode.dense_home(stage.replicas)
         self.optimizer: torch.optim.Optimizer | None = None
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-step")
         self._step: Future[None] | None = None  # the optimizer step still running
         self.dense: DenseReplica | None = None
         has_params = any(True for _ in self.module.parameters())
         # async with local weights: forwards may run ahead of the step, so each keeps its weights
-        self.stash_weights = mode == "async" and has_params and self.home == "local"
+        self.stash_weights = mode.stashes_weights and has_params and self.home == "local"
         if self.home == "local":
             self.optimizer = make_optimizer(list(self.module.parameters()), optimizer)
         elif has_params:

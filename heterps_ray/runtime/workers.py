@@ -1,6 +1,6 @@
-"""The actors of the pipeline: DataWorkers (data, stage 0 and orchestration) and StageWorkers
-(stages 1..S-1). Both are plain classes; the driver turns them into Ray actors pinned to their
-resource type.
+"""The DataWorker actor (data, stage 0 and orchestration); the StageWorkers (stages 1..S-1) are in
+stage_worker.py and what both share in worker_base.py. All are plain classes; the driver turns them
+into Ray actors pinned to their resource type.
 
 A DataWorker drives its own micro-batches without the driver: it runs stage 0 locally, then chains
 ObjectRefs through the StageWorkers (``forward`` ... last ``forward_backward`` ... ``backward`` in
@@ -14,39 +14,35 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
 import torch
 
 from heterps_ray.chaos import FaultPoints
-from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec, actor_placement
-from heterps_ray.reusable import Reusable
-from heterps_ray.runtime.chain import CompiledChain, channel_bytes, copy_wire
-from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, route, to_wire
+from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec
+from heterps_ray.runtime.pipeline import StageSpec, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
-from heterps_ray.runtime.stage import StageCompute, Stash
+from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
+from heterps_ray.runtime.stage import Stash
+from heterps_ray.runtime.stage_worker import StageWorker
+from heterps_ray.runtime.worker_base import (
+    Busy,
+    Metrics,
+    StageActor,
+    WorkerSettings,
+    placement,
+    stage_compute,
+)
 
-SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
+T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What every worker of a run needs to know besides its stage."""
-
-    seed: int
-    mode: str  # "sync" | "async"
-    optimizer: OptimizerConfig
-    device: str  # the resource type's device kind: "cpu" | "cuda"
-    torch_threads: int
-    type_name: str
-    max_staleness: int = 0
+__all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
 
 
 @dataclass(frozen=True)
@@ -60,223 +56,16 @@ class DataSettings:
     epochs: int
     max_in_flight: int
     batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
-    compiled_chain: bool = False  # drive stages 1..S-1 (one replica each) as a compiled graph (chain.py)
     workers: int = 1  # DataWorkers of the plan (the table's clock interleaves their batches)
 
 
 @dataclass(frozen=True)
 class HostedPS:
     """The PS shards a DataWorker hosts in its own process (a plan with one DataWorker and no
-    replicated stage): the driver reaches them through ``DataWorker.shard_call``."""
+    replicated stage): the driver reaches them through ``DataWorker.on_shard`` (runtime/shards.py)."""
 
     num_shards: int
     tables: dict[str, TableSpec]
-
-
-def _compute(stage: StageSpec, model: ModelSpec, settings: WorkerSettings, dense_ps: Any) -> StageCompute:
-    return StageCompute(
-        stage,
-        model,
-        settings.seed,
-        settings.mode,
-        settings.optimizer,
-        settings.device,
-        settings.max_staleness,
-        dense_ps,
-    )
-
-
-def _placement(**fields: Any) -> dict[str, Any]:
-    return {**actor_placement(**fields), "torch_threads": torch.get_num_threads()}
-
-
-class _Metrics:
-    """Ray metrics of one actor (exported by Ray's metrics agent; harmless when none runs)."""
-
-    def __init__(self, role: str, stage: int, replica: int):
-        from ray.util import metrics
-
-        self.tags = {"role": role, "stage": str(stage), "replica": str(replica)}
-        keys = tuple(self.tags)
-        self.samples = metrics.Counter("heterps_samples", "samples processed", tag_keys=keys)
-        self.busy = metrics.Gauge("heterps_busy_fraction", "fraction of wall time computing", tag_keys=keys)
-        self.queue = metrics.Gauge("heterps_queue_depth", "micro-batches waiting for backward", tag_keys=keys)
-        for m in (self.samples, self.busy, self.queue):
-            m.set_default_tags(self.tags)
-
-
-class _Busy:
-    """Accumulates time spent computing (busy) versus wall time since start."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.busy_s = 0.0
-
-    def __enter__(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.busy_s += time.perf_counter() - self._t0
-
-    @property
-    def fraction(self) -> float:
-        return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
-
-
-class StageWorker(Reusable):
-    """Runs layers [start, end) of the model on its device: forward on arrival, backward when the
-    gradient comes back; the last stage computes the loss. Saved activations are keyed by
-    micro-batch id, so several DataWorkers can share a replica."""
-
-    def __init__(
-        self,
-        stage: StageSpec,
-        replica: int,
-        model: ModelSpec,
-        settings: WorkerSettings,
-        dense_ps: Any = None,
-    ):
-        torch.set_num_threads(settings.torch_threads)
-        self.stage, self.replica, self.settings = stage, replica, settings
-        self.compute = _compute(stage, model, settings, dense_ps)
-        self.device = self.compute.device
-        self.is_last = stage.end == model.num_layers
-        self._saved: dict[int, Stash] = {}
-        # Raised at each recovery: calls sent before it (still queued, maybe behind a dead actor's
-        # result) are dropped, so none can step an optimizer after the rollback.
-        self._generation = 0
-        self._busy = _Busy()
-        self._counts = {"forward": 0, "backward": 0, "samples": 0, "updates": 0, "peak_pending": 0}
-        self._metrics = _Metrics("stage", stage.index, replica)
-        self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
-
-    def describe(self) -> dict[str, Any]:
-        return _placement(
-            role="stage",
-            stage=self.stage.index,
-            replica=self.replica,
-            type=self.settings.type_name,
-            device=str(self.device),
-            layers=list(self.stage.layers),
-        )
-
-    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
-        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
-        self.faults.arm(point, how, flag)
-
-    def forward(self, mb_id: int, x: Wire, gen: int = 0) -> Wire:
-        """Forward one micro-batch and keep what backward needs (nothing for a stale `gen`)."""
-        self.faults.reached("train")
-        if gen < self._generation:
-            return []
-        with self._busy:
-            stash = self.compute.forward(from_wire(x, self.device, requires_grad=True))
-            self._saved[mb_id] = stash
-            self._note_forward(len(stash.inputs[0]))
-            return to_wire(stash.outputs)
-
-    @ray.method(num_returns=2)
-    def forward_backward(
-        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int = 0
-    ) -> tuple[Wire, float]:
-        """The last stage: forward, loss (times `scale`), backward; returns (input grads, loss)."""
-        if gen < self._generation:
-            return [], float("nan")
-        with self._busy:
-            inputs = from_wire(x, self.device, requires_grad=True)
-            stash = self.compute.forward(inputs, backward_next=True)
-            (logit,) = stash.outputs
-            loss = loss_fn(logit, torch.from_numpy(np.asarray(label)).to(self.device))
-            self.compute.backward(stash, loss=loss * scale)
-            self._note_forward(len(logit))
-            grads = to_wire([t.grad if t.requires_grad else None for t in inputs])
-            self._after_backward(step)
-            return grads, float(loss.detach())
-
-    def backward(self, mb_id: int, grads: Wire, step: bool, gen: int = 0) -> Wire:
-        """Backward one micro-batch with the gradient of its output; returns its input's gradient."""
-        if gen < self._generation:
-            return []
-        with self._busy:
-            stash = self._saved.pop(mb_id)
-            self.compute.backward(stash, grads)
-            self._after_backward(step)
-            return to_wire([t.grad if t.requires_grad else None for t in stash.inputs])
-
-    def predict(self, x: Wire) -> Wire:
-        """Forward only (evaluation); nothing is kept."""
-        self.faults.reached("evaluate")
-        self.compute.settle()
-        with self._busy, torch.no_grad():
-            return to_wire(self.compute.module(from_wire(x, self.device)))
-
-    # The same three steps as nodes of a compiled chain (chain.py): inputs come off a channel.
-
-    def chain_forward(self, mb_id: int, x: Wire, gen: int) -> Wire:
-        return self.forward(mb_id, copy_wire(x), gen)
-
-    def chain_forward_backward(
-        self, mb_id: int, x: Wire, label: np.ndarray, scale: float, step: bool, gen: int
-    ) -> tuple[Wire, float]:
-        return self.forward_backward(mb_id, copy_wire(x), np.array(label), scale, step, gen)
-
-    def chain_backward(
-        self, mb_id: int, upstream: tuple[Wire, float], step: bool, gen: int
-    ) -> tuple[Wire, float]:
-        grads, loss = upstream
-        return self.backward(mb_id, copy_wire(grads), step, gen), loss
-
-    def _note_forward(self, samples: int) -> None:
-        self._counts["forward"] += 1
-        self._counts["samples"] += samples
-        self._counts["peak_pending"] = max(self._counts["peak_pending"], len(self._saved))
-        self._metrics.samples.inc(samples)
-        self._metrics.queue.set(len(self._saved))
-
-    def _after_backward(self, step: bool) -> None:
-        self._counts["backward"] += 1
-        if self.compute.step(step):
-            self._counts["updates"] += 1
-
-    def refresh(self) -> int:
-        """Async mode: wait for the last push and load the newest weights (before evaluation)."""
-        return self.compute.refresh()
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative counters; the driver diffs them per progress interval."""
-        self._metrics.busy.set(self._busy.fraction)
-        out = {
-            "stage": self.stage.index,
-            "replica": self.replica,
-            "busy_s": self._busy.busy_s,
-            "pending": len(self._saved),
-            **self._counts,
-        }
-        self._counts["peak_pending"] = len(self._saved)
-        if self.compute.dense is not None:
-            out["dense_pulls"] = self.compute.dense.pulls
-            out["dense_max_lag"] = self.compute.dense.max_lag
-        return out
-
-    def dense_state(self) -> dict[str, np.ndarray]:
-        """The stage's dense weights under their whole-model names."""
-        self.faults.reached("save")
-        return self.compute.dense_state()
-
-    def train_state(self) -> dict[str, np.ndarray]:
-        """At a batch boundary: weights and optimizer state (sync) for a checkpoint."""
-        self.faults.reached("checkpoint")
-        return self.compute.train_state()
-
-    def load_train_state(self, state: dict[str, np.ndarray]) -> None:
-        self.compute.load_train_state(state)
-
-    def rewire(self, generation: int, dense_ps: Any = None) -> None:
-        """After a fault elsewhere: drop half-done micro-batches and calls of older generations, and
-        use the (new) PS shard."""
-        self._generation = generation
-        self._saved.clear()
-        self.compute.rewire(dense_ps)
 
 
 @dataclass
@@ -292,7 +81,7 @@ class _MicroBatch:
     grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
     loss_weight: float  # weight of its mean loss in the batch's reported loss
     step: bool  # local weights step after this micro-batch (a sync batch's last; every one in async)
-    split: KeySplit | None = None  # async: its keys' split, when it is the whole batch
+    split: KeySplit | None = None  # its keys' split, when it is the whole batch
     route: list[int] = field(default_factory=list)
     emb: torch.Tensor | None = None
     stash: Stash | None = None
@@ -301,12 +90,12 @@ class _MicroBatch:
     loss: float | None = None
 
 
-class DataWorker(Reusable):
+class DataWorker(StageActor):
     """Reads its share of the data, pulls sparse rows, runs stage 0, drives the micro-batches through
     the StageWorkers, runs stage 0's backward and pushes the sparse gradients to the PS.
 
-    sync: one batch at a time, split into micro-batches; sparse gradients pushed once per batch.
-    async: micro-batches stream continuously; sparse gradients pushed per micro-batch.
+    When sparse rows are pulled and pushed, and how far batches overlap, is the mode's sparse
+    schedule (sparse.py: per batch in sync, per micro-batch in async); the path here is one.
     A reader thread reads, converts and splits the next batches' keys meanwhile (``reader.py``).
     With a :class:`HostedPS` the PS shards live in this process and pulls and pushes are calls.
     """
@@ -327,42 +116,30 @@ class DataWorker(Reusable):
         self.index, self.stage0, self.settings, self.data = index, stage0, settings, data
         self._generation = generation  # see StageWorker: tags every call this worker sends
         self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
-        self._workers = data.workers
         self.model = model
-        self.compute = _compute(stage0, model, settings, dense_ps)
+        self.compute = stage_compute(stage0, model, settings, dense_ps)
         self.device = self.compute.device
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
-        if isinstance(shards, HostedPS):
-            self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
-            self.ps = PSClient(self.hosted, hosted=True)
-        else:
-            self.ps = PSClient(shards)
-        self.sync = settings.mode == "sync"
-        self._chain: CompiledChain | None = None  # built on the first run (all actors placed by then)
+        self._busy = Busy()
+        self.sparse = SparseRows(self._ps_client(shards), index, data.workers, generation)
+        self.schedule = settings.mode.sparse_schedule(self.sparse, self._busy, data.batches_ahead)
         self._batches = self._reader(skip=0)
         self._batch_index = 0
-        self._updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
         self._counter = 0  # micro-batches started
         self._window = data.max_in_flight
         self._lag = max(0, data.max_in_flight - 1)
         self._fwd_q: deque[_MicroBatch] = deque()
         self._bwd_q: deque[_MicroBatch] = deque()
-        self._batch_rows = np.zeros(
-            (0, model.num_slots, model.embedding_dim), dtype=np.float32
-        )  # sync: this batch's rows
-        self._batch_emb_grad: np.ndarray | None = None
-        self._push_refs: list[Any] = []
         self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches
-        self._busy = _Busy()
         self._wait_s = 0.0  # blocked on gradients coming back
         self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
         self._samples = 0
-        self._metrics = _Metrics("data", 0, index)
+        self._metrics = Metrics("data", 0, index)
 
     def describe(self) -> dict[str, Any]:
-        return _placement(
+        return placement(
             role="data",
             stage=0,
             replica=self.index,
@@ -373,15 +150,19 @@ class DataWorker(Reusable):
             hosted_shards=len(self.hosted),
         )
 
-    def shard_call(self, shard: int, method: str, *args: Any) -> Any:
-        """A method of a hosted PS shard, for the driver (snapshots, stats, restore, fence)."""
-        return getattr(self.hosted[shard], method)(*args)
+    def _ps_client(self, shards: list[Any] | HostedPS) -> PSClient:
+        """The client of the PS shards: actors (handles), or hosted in this process (made once)."""
+        if not isinstance(shards, HostedPS):
+            return PSClient(shards)
+        if not self.hosted:
+            self.hosted = [PSShard(i, shards.num_shards, shards.tables) for i in range(shards.num_shards)]
+        return PSClient(self.hosted, hosted=True)
+
+    def on_shard(self, shard: int, call: Callable[[PSShard], T]) -> T:
+        """`call` on hosted PS shard `shard`, for the driver (runtime/shards.HostedShard)."""
+        return call(self.hosted[shard])
 
     # -- training ---------------------------------------------------------------------------------
-
-    def arm_fault(self, point: str, how: str = "sigkill", flag: str = "") -> None:
-        """Chaos testing: die inside the next call of phase `point` (heterps_ray.chaos.FaultPoints)."""
-        self.faults.arm(point, how, flag)
 
     def run(self, steps: int) -> dict[str, Any]:
         """Train up to `steps` batches; returns their losses (in batch order) and counters."""
@@ -389,12 +170,6 @@ class DataWorker(Reusable):
         t0 = time.perf_counter()
         first_batch = self._batch_index
         exhausted = False
-        if self._chain is None and self._wants_chain():
-            largest = max(layer.out_bytes_per_sample for layer in self.model.layers)
-            mb = self.data.batch_size // self.data.micro_batches
-            self._chain = CompiledChain(
-                [replicas[0] for replicas in self.downstream], channel_bytes([largest], mb), self._window
-            )
         for _ in range(steps):
             t_read = time.perf_counter()
             item = next(self._batches, None)
@@ -403,8 +178,8 @@ class DataWorker(Reusable):
                 exhausted = True
                 break
             self._train_batch(*item)
-        self._drain()
-        self._settle_pushes(0)
+        self.drain()
+        self.sparse.settle()
         if self.compute.dense is not None:
             self.compute.dense.flush()
         losses = np.zeros(self._batch_index - first_batch)
@@ -424,37 +199,24 @@ class DataWorker(Reusable):
             **self.progress(),
         }
 
-    def _wants_chain(self) -> bool:
-        return self.data.compiled_chain and bool(self.downstream)
-
-    def close(self) -> None:
-        """Tear the compiled chain down (before the actors go, and before a rewire)."""
-        if self._chain is not None:
-            self._chain.close()
-            self._chain = None
-
     def teardown(self) -> None:
         """Before this process is reconfigured for another run (warm.py): stop the reader thread."""
-        self.close()
         self._batches.close()
 
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""
-        return {"position": self._batch_index, "updates": self._updates}
+        return {"position": self._batch_index, "updates": self.sparse.updates}
 
     def rewire(
-        self, generation: int, downstream: list[list[Any]], shards: list[Any], dense_ps: Any = None
+        self, generation: int, downstream: list[list[Any]], shards: list[Any] | HostedPS, dense_ps: Any = None
     ) -> None:
         """After a fault: forget everything in flight and talk to the (partly new) actors (hosted
         shards stay this worker's own)."""
-        self.close()
         self._generation = generation
         self.downstream = downstream
-        if not self.hosted:
-            self.ps = PSClient(shards)
+        self.sparse.rewire(generation, self._ps_client(shards))
         self._fwd_q.clear()
         self._bwd_q.clear()
-        self._push_refs.clear()
         self._done.clear()
         self.compute.rewire(dense_ps)
 
@@ -476,7 +238,7 @@ class DataWorker(Reusable):
                 raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
 
         def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit]:
-            return batch, self.ps.split(batch["keys"])
+            return batch, self.sparse.split(batch["keys"])
 
         return Prefetcher(batches, prepare)
 
@@ -484,14 +246,10 @@ class DataWorker(Reusable):
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
-        if self.sync:
-            self._settle_pushes(0)  # ordering already holds; this surfaces PS errors early
-            with self._busy:
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], split=split, step=self._clock())
-            self._batch_rows = rows
-            self._batch_emb_grad = np.zeros_like(rows)
+        self.schedule.start_batch(batch["keys"], split, self._batch_index)
         for j in range(k):
             part = slice(j * mb, (j + 1) * mb)
+            grad_scale, step = self.schedule.micro_batch(mb, size, last=j == k - 1)
             item = _MicroBatch(
                 id=self._counter * 1024 + self.index,  # unique across DataWorkers (< 1024 of them)
                 batch=self._batch_index,
@@ -499,36 +257,16 @@ class DataWorker(Reusable):
                 dense=batch["dense"][part],
                 label=batch["label"][part],
                 rows=part,
-                grad_scale=mb / size if self.sync else 1.0,
+                grad_scale=grad_scale,
                 loss_weight=mb / size,
-                step=not self.sync or j == k - 1,
+                step=step,
                 split=split if k == 1 else None,
                 route=route(self._counter, self.index, [len(r) for r in self.downstream]),
             )
             self._counter += 1
             self._submit(item)
-        if not self.sync:
-            while self._batches_in_flight() > self.data.batches_ahead:
-                self._retire_oldest()
-        else:
-            self._drain()
-            assert self._batch_emb_grad is not None
-            with self._busy:
-                self._push_refs += self.ps.push(
-                    SPARSE_TABLE,
-                    batch["keys"],
-                    self._batch_emb_grad,
-                    (self.index, self._batch_index, self._generation),
-                    split=split,
-                )
-                self._updates += 1
+        self.schedule.end_batch(self, batch["keys"], split, self._batch_index)
         self._batch_index += 1
-
-    def _clock(self, batch: int | None = None) -> int:
-        """The global batch index of this worker's `batch` (default: the current one), the clock of
-        the table's admission counts and TTL: batches of the DataWorkers interleaved, a function of
-        the position in the data only, so a replay after a fault sees the same clock."""
-        return (self._batch_index if batch is None else batch) * self._workers + self.index
 
     # -- the in-flight window --------------------------------------------------------------------
 
@@ -552,7 +290,13 @@ class DataWorker(Reusable):
             self._backward(self._fwd_q.popleft())
         self._finish(self._bwd_q.popleft())
 
-    def _drain(self) -> None:
+    def retire_to(self, batches: int) -> None:
+        """Finish the oldest micro-batches until at most `batches` batches have some in flight."""
+        while self._batches_in_flight() > batches:
+            self._retire_oldest()
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight (backward calls first, so they overlap)."""
         while self._fwd_q:
             self._backward(self._fwd_q.popleft())
         while self._bwd_q:
@@ -560,10 +304,7 @@ class DataWorker(Reusable):
 
     def _forward(self, item: _MicroBatch) -> None:
         with self._busy:
-            if self.sync:
-                rows = self._batch_rows[item.rows]
-            else:
-                rows = self.ps.pull(SPARSE_TABLE, item.keys, split=item.split, step=self._clock(item.batch))
+            rows = self.schedule.rows(item.keys, item.rows, item.split, item.batch)
             item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
             dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
             item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
@@ -574,11 +315,6 @@ class DataWorker(Reusable):
                 item.loss = float(loss.detach())
                 return
             ref: Any = to_wire(item.stash.outputs)
-        if self._chain is not None:
-            item.grad_ref = self._chain.submit(
-                item.id, ref, item.label, item.grad_scale, item.step, self._generation
-            )
-            return
         *middle, last = self.downstream
         for s, replicas in enumerate(middle):
             ref = replicas[item.route[s]].forward.remote(item.id, ref, self._generation)
@@ -587,7 +323,7 @@ class DataWorker(Reusable):
         )
 
     def _backward(self, item: _MicroBatch) -> None:
-        if self.downstream and self._chain is None:
+        if self.downstream:
             grad = item.grad_ref
             for s in range(len(self.downstream) - 2, -1, -1):
                 grad = self.downstream[s][item.route[s]].backward.remote(
@@ -600,10 +336,7 @@ class DataWorker(Reusable):
         assert item.stash is not None
         if self.downstream:
             t0 = time.perf_counter()
-            if self._chain is not None:
-                grads, item.loss = self._chain.result(item.grad_ref)
-            else:
-                grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
+            grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
             self._wait_s += time.perf_counter() - t0
             with self._busy:
                 self.compute.backward(item.stash, grads)
@@ -611,30 +344,11 @@ class DataWorker(Reusable):
             assert item.emb is not None and item.loss is not None
             emb_grad = item.emb.grad.detach().cpu().numpy() if item.emb.grad is not None else None
             if emb_grad is not None:
-                if self.sync:
-                    assert self._batch_emb_grad is not None
-                    self._batch_emb_grad[item.rows] = emb_grad
-                else:
-                    self._push_refs += self.ps.push(
-                        SPARSE_TABLE,
-                        item.keys,
-                        emb_grad,
-                        (self.index, item.batch, self._generation),
-                        split=item.split,
-                    )
-                    self._updates += 1
-                    self._settle_pushes(4 * len(self.ps.shards))
+                self.schedule.gradient(item.keys, item.rows, emb_grad, item.split, item.batch)
             self.compute.step(item.step)
         self._done.append((item.batch, item.loss * item.loss_weight))
         item.emb, item.stash = None, None
         self._metrics.samples.inc(len(item.label))
-
-    def _settle_pushes(self, keep: int) -> None:
-        """Wait for all but the newest `keep` sparse pushes (bounds memory; surfaces PS errors)."""
-        if len(self._push_refs) > keep:
-            cut = len(self._push_refs) - keep
-            ray.get(self._push_refs[:cut])
-            del self._push_refs[:cut]
 
     # -- evaluation and state ---------------------------------------------------------------------
 
@@ -660,7 +374,7 @@ class DataWorker(Reusable):
             dataset.iter_batches(split, batch_size, files=paths, drop_last=False)
         ):
             with self._busy, torch.no_grad():
-                rows = self.ps.pull(SPARSE_TABLE, batch["keys"], create=False)
+                rows = self.sparse.lookup(batch["keys"])
                 emb = torch.from_numpy(rows).to(self.device)
                 dense = torch.from_numpy(np.ascontiguousarray(batch["dense"])).to(self.device)
                 ref: Any = to_wire(self.compute.module((dense, emb)))
@@ -675,10 +389,6 @@ class DataWorker(Reusable):
             return {"logits": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
         return {"logits": np.concatenate(logits), "labels": np.concatenate(labels)}
 
-    def refresh(self) -> int:
-        """Async mode: load the newest stage-0 weights from the PS (before evaluation)."""
-        return self.compute.refresh()
-
     def stats(self) -> dict[str, Any]:
         out = {
             "stage": 0,
@@ -692,10 +402,6 @@ class DataWorker(Reusable):
         self._peak_in_flight = 0
         return out
 
-    def dense_state(self) -> dict[str, np.ndarray]:
-        self.faults.reached("save")
-        return self.compute.dense_state()
-
     def train_state(self) -> dict[str, np.ndarray]:
         """Between runs: weights, optimizer state (sync) and the position in the data."""
         self.faults.reached("checkpoint")
@@ -704,7 +410,7 @@ class DataWorker(Reusable):
             "data/batch_index": np.array(self._batch_index, dtype=np.int64),
             "data/counter": np.array(self._counter, dtype=np.int64),
             "data/samples": np.array(self._samples, dtype=np.int64),
-            "data/updates": np.array(self._updates, dtype=np.int64),
+            "data/updates": np.array(self.sparse.updates, dtype=np.int64),
         }
 
     def load_train_state(self, state: dict[str, np.ndarray]) -> int:
@@ -716,5 +422,5 @@ class DataWorker(Reusable):
         self._batch_index = skip
         self._counter = int(state["data/counter"])
         self._samples = int(state["data/samples"])
-        self._updates = int(state.get("data/updates", skip))
+        self.sparse.updates = int(state.get("data/updates", skip))
         return skip
