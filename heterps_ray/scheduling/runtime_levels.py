@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -88,6 +88,7 @@ class _Level:
     rate: float  # $/hour of the plan found
     bound: float  # proven lower bound on R*(X) ($/hour)
     assignment: tuple[int, ...]
+    throughput: float = math.nan  # samples/s the plan found reaches *at that rate* (nan: not priced)
 
 
 class RuntimeLevels:
@@ -305,12 +306,14 @@ class RuntimeLevels:
         if len(self.pool) > size:
             del self.pool[min(self.pool, key=lambda a: self.pool[a])]
 
-    def rate_at(self, assignment: tuple[int, ...], target: float) -> float:
-        """The fewest $/hour at which `assignment` reaches `target` within max_instances (inf: never)."""
+    def rate_at(self, assignment: tuple[int, ...], target: float) -> tuple[float, float]:
+        """(the fewest $/hour at which `assignment` reaches `target` within max_instances, the
+        throughput those counts give); (inf, 0) when it never does. The walk steps to that throughput,
+        not to the most the assignment reaches with more replicas: those cost more than the rate."""
         model = self.model
         reach = target * (1.0 - _REACH_RTOL)
         stages = model.stage_times(list(assignment))
-        best = math.inf
+        best, reached = math.inf, 0.0
         m = self.ps_shards(False, target)
         if m is not None:
             tables, ceiling = model.throughput_tables(stages, [int(self.cap[s.type]) for s in stages])
@@ -322,12 +325,12 @@ class RuntimeLevels:
                         counts[j] += 1
                     ev = model.evaluate(list(assignment), counts, m)
                     if ev.available and ev.throughput >= reach:
-                        best = ev.cost_rate
+                        best, reached = ev.cost_rate, ev.throughput
         if self.auto:
             ev = model.evaluate(list(assignment), [1] * len(stages), int(self.shards[0]))
-            if ev.available and ev.throughput >= reach:
-                best = min(best, ev.cost_rate)
-        return best
+            if ev.available and ev.throughput >= reach and ev.cost_rate < best:
+                best, reached = ev.cost_rate, ev.throughput
+        return best, reached
 
     def reachable(self, target: float) -> bool:
         """A relaxation of "some plan reaches `target`": each stage within its type's limit, the
@@ -366,19 +369,19 @@ class RuntimeLevels:
         lb, paths = self.lower_bound(target)
         if not math.isfinite(lb):
             return None
-        upper, incumbent = math.inf, None
-        known = [a for a, reached in self.pool.items() if reached >= target * (1.0 - _REACH_RTOL)]
+        upper, incumbent, reached = math.inf, None, 0.0
+        known = [a for a, most in self.pool.items() if most >= target * (1.0 - _REACH_RTOL)]
         for assignment in dict.fromkeys(paths + known):
-            rate = self.rate_at(assignment, target)
+            rate, at = self.rate_at(assignment, target)
             if rate < upper:
-                upper, incumbent = rate, assignment
+                upper, incumbent, reached = rate, assignment, at
         if incumbent is not None and (not objective or upper <= lb * (1.0 + 1e-12)):
             self.proof.levels_by_dp += 1
-            return _Level(upper, lb if objective else upper, incumbent)
+            return _Level(upper, lb if objective else upper, incumbent, reached)
         for assignment in self._heuristic(target):  # plans whose loop is priced higher: an upper bound
-            rate = self.rate_at(assignment, target)
+            rate, at = self.rate_at(assignment, target)
             if rate < upper:
-                upper, incumbent = rate, assignment
+                upper, incumbent, reached = rate, assignment, at
         best: _Level | None = None
         for hosted in self._cases():
             level = self._solve_case(hosted, target, objective, upper)
@@ -390,8 +393,11 @@ class RuntimeLevels:
                 break
         if incumbent is not None and (best is None or upper <= best.rate):
             # no plan below `upper` (the ILPs over every segment such a plan could use): it is optimal
-            return _Level(upper, upper if best is None else min(upper, best.bound), incumbent)
-        return best
+            return _Level(upper, upper if best is None else min(upper, best.bound), incumbent, reached)
+        if best is None:
+            return None
+        rate, at = self.rate_at(best.assignment, target)  # the ILP's counts re-provisioned: what they reach
+        return replace(best, rate=min(rate, best.rate), throughput=at)
 
     def _solve_case(self, hosted: bool, target: float, objective: bool, upper: float) -> _Level | None:
         """One case's ILP over the segments through which a plan may cost less than `upper`."""
@@ -672,12 +678,19 @@ class RuntimeLevels:
         if not math.isfinite(lb):
             self.proof.stop = "no plan reaches the floor (DP bound)"
             return best, known
+        # theta_max: no plan reaches it. `reachable` relaxes every constraint of a level (each stage
+        # within its own type's limit, the loop with the most DataWorkers any type has, each host's
+        # least-work path) and each of them only tightens as the level rises, so it is monotone and
+        # its bisection's upper end bounds every plan's throughput.
         theta_max = self.throughput_bound(max(known, target, 1e-9))
         to_cost = model.samples / S_PER_HOUR
         while target <= theta_max * (1.0 + _STEP_RTOL):
             if time.perf_counter() > self.deadline:
                 self.proof.stop = "time limit"
                 return best, theta_max
+            # lb <= R*(target) (lower_bound: every path weight it minimises is at most the plan's rate),
+            # and R*(X) <= R*(X') for X <= X' (a plan reaching X' reaches X): lb bounds every plan here
+            # and above
             lb, paths = self.lower_bound(max(target, 1e-300))
             if not math.isfinite(lb):
                 self.proof.stop = "no plan reaches the level (DP bound)"
@@ -685,10 +698,12 @@ class RuntimeLevels:
             for assignment in paths:
                 consider(assignment)
             if best is not None:
+                # stop: every remaining plan costs R · N / 3600 / Θ >= lb · N / 3600 / theta_max
                 if monetary_cost(lb, model.samples, theta_max) >= best[1].cost:
                     self.proof.stop = "DP bound at the level / max throughput >= cost"
                     self.proof.bound = monetary_cost(lb, model.samples, theta_max)
                     break
+                # skip: a plan with target <= Θ < skip_to costs >= lb · N / 3600 / Θ > the best cost
                 skip_to = lb * to_cost / best[1].cost
                 if skip_to > target * (1.0 + _STEP_RTOL):
                     self.proof.levels_bounded += 1
@@ -699,21 +714,28 @@ class RuntimeLevels:
                 self.proof.stop = "no plan reaches the level (ILP infeasible)"
                 break
             consider(level.assignment)
-            reached = provision_counts(model, level.assignment).max_throughput
+            # level.bound <= R*(target): HiGHS' dual bound (or the DP bound the plan meets)
             if best is not None and monetary_cost(level.bound, model.samples, theta_max) >= best[1].cost:
                 self.proof.stop = "ILP bound at the level / max throughput >= cost"
                 self.proof.bound = monetary_cost(level.bound, model.samples, theta_max)
                 break
-            if math.isinf(reached):
+            if math.isinf(level.throughput):
                 self.proof.stop = "unbounded throughput"
                 break
-            nxt = reached
-            if best is not None:
+            # step to what the plan found reaches *at its rate*: when that rate is R*(target), a plan
+            # with target <= Θ <= level.throughput has R >= R*(target) and Θ no higher, so it is no
+            # cheaper. Not to the most its assignment reaches with more replicas (issue 26): those
+            # replicas cost more than R*(target), which proves nothing about the plans in between.
+            optimal = level.rate <= level.bound * (1.0 + _SOLVER_RTOL)  # else only the bound steps
+            nxt = level.throughput if optimal else 0.0
+            if best is not None:  # the skip above, with the ILP's bound
                 nxt = max(nxt, level.bound * to_cost / best[1].cost)
-            if nxt < target:  # the ILP's plan misses the level within the solver's tolerances
+            if nxt < target or (not optimal and nxt <= target):
+                # the ILP's plan misses the level, or its rate is not proven, within the solver's
+                # tolerances: plans with Θ in [target, target (1 + 1e-7)) are passed over (counted)
                 self.proof.tolerance_steps += 1
                 nxt = target * (1.0 + _SOLVER_RTOL)
-            target = nxt * (1.0 + _STEP_RTOL)
+            target = nxt * (1.0 + _STEP_RTOL)  # plans in (nxt, nxt (1 + 1e-9)): within 1e-9 of it
         else:
             self.proof.stop = "level above the max throughput bound"
         return best, theta_max
