@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR, stage_throughput
+from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR, fewest_replicas, stage_throughput
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.errors import ConfigError
@@ -160,23 +160,8 @@ class _LevelSearch:
 
     def replicas_needed(self, target: float) -> np.ndarray:
         """k(i,j,t): fewest replicas of segment (i,j,t) reaching `target` samples/s (huge if none)."""
-        B, tau, alpha = self.model.batch_size, self.tau, self.alpha
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            r = MS_PER_S * B / (tau * target)  # allowed value of (1 - alpha) + alpha / k
-            slack = r - (1.0 - alpha)
-            k = np.where(alpha > 0.0, np.ceil(alpha / slack), 1.0)
-            k = np.where((slack > 0.0) & self.valid, np.maximum(k, 1.0), np.inf)
-            k = np.minimum(k, 1e12)
-            # correct float rounding of the closed form against the formula itself
-            for _ in range(2):
-                down = np.maximum(k - 1.0, 1.0)
-                k = np.where((down < k) & (self._theta(down) >= target), down, k)
-                k = np.where(self._theta(k) < target, k + 1.0, k)
-        return k
-
-    def _theta(self, k: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return stage_throughput(self.model.batch_size, self.tau, self.alpha, k)
+        k = fewest_replicas(self.model.batch_size, self.tau, self.alpha, target)
+        return np.minimum(np.where(self.valid, k, np.inf), 1e12)
 
     def solve(self, target: float, relaxed: bool = False) -> _Level | None:
         """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
@@ -483,7 +468,9 @@ class _LevelSearch:
         relaxed bound); candidates outside them are not solved (fewer exact levels, same answer)."""
         cap_any = int(self.cap.max())
         ks = np.arange(1, cap_any + 1, dtype=np.float64)
-        thetas = self._theta(ks[:, None, None, None])  # [K, L, L, T]
+        thetas = stage_throughput(
+            self.model.batch_size, self.tau, self.alpha, ks[:, None, None, None]
+        )  # [K, L, L, T]
         allowed = (ks[:, None, None, None] <= self.cap[None, None, :]) & self.valid[None]
         candidates = np.unique(np.concatenate([thetas[allowed], self.ps_table]))
         candidates = candidates[(candidates > 0.0) & (candidates <= bound * (1.0 + _STEP_RTOL))]

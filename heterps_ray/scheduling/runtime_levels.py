@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.formulas import BYTES_PER_MS_PER_GBPS, FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.formulas import (
+    BYTES_PER_MS_PER_GBPS,
+    FLOOR_RTOL,
+    MS_PER_S,
+    S_PER_HOUR,
+    fewest_replicas,
+    stage_throughput,
+)
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
 from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
@@ -172,9 +179,10 @@ class RuntimeLevels:
         tau = self.K * self.busy[hosted]
         reach = target * (1.0 - _REACH_RTOL)
         if self.sync:
-            theta = _theta(self.B, tau, self.alpha, 1.0)
+            theta = stage_throughput(self.B, tau, self.alpha, 1.0)
             return np.where(self.valid & (theta >= reach), 1.0, _HUGE)
-        return _fewest(self.B, tau, self.alpha, self.valid, reach)
+        k = fewest_replicas(self.B, tau, self.alpha, reach)
+        return np.where(self.valid & np.isfinite(k), np.minimum(k, _HUGE), _HUGE)
 
     def ps_shards(self, hosted: bool, target: float) -> int | None:
         """Shards for the level: the fewest reaching it (hosted: the fewest there are); None: none."""
@@ -743,28 +751,6 @@ class RuntimeLevels:
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def _theta(batch: float, tau: np.ndarray, alpha: np.ndarray, k: Any) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        theta = MS_PER_S * batch / tau / ((1.0 - alpha) + alpha / k)
-    return np.where(tau <= 0.0, np.inf, theta)
-
-
-def _fewest(batch: float, tau: np.ndarray, alpha: np.ndarray, valid: np.ndarray, reach: float) -> np.ndarray:
-    """Fewest replicas k with theta(k) >= reach, per entry (_HUGE where none); the closed form of
-    Amdahl's law corrected against the formula itself."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        r = MS_PER_S * batch / (tau * reach)
-        slack = r - (1.0 - alpha)
-        k = np.where(alpha > 0.0, np.ceil(alpha / slack), 1.0)
-        k = np.where((slack > 0.0) & valid, np.maximum(k, 1.0), _HUGE)
-        k = np.minimum(k, _HUGE)
-        for _ in range(2):
-            down = np.maximum(k - 1.0, 1.0)
-            k = np.where((down < k) & (_theta(batch, tau, alpha, down) >= reach), down, k)
-            k = np.where((k < _HUGE) & (_theta(batch, tau, alpha, k) < reach), k + 1.0, k)
-    return np.where(valid, k, _HUGE)
 
 
 def _excluding(best: np.ndarray) -> np.ndarray:
