@@ -51,6 +51,7 @@ from heterps_ray.costmodel.formulas import (
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
 from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
+from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
 _REACH_RTOL = 1e-12  # as provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
 _STEP_RTOL = 1e-9  # next level strictly above the last (relative); the fastest plan is proven to this
@@ -264,15 +265,15 @@ class RuntimeLevels:
             fixed = m * float(self.price[self.ps_type])
             weights = self._weights(hosted, target, rate)
             if self.sync or hosted:
-                value, path = _cheapest_path(rate)
+                value, path = cheapest_path(rate)
                 if path is not None:
-                    paths.append(_assignment(path))
+                    paths.append(assignment_of(path))
                 best = min(best, value + fixed)
                 continue
             for plain, priced in weights:  # type: ignore[misc]
-                v0, p0 = _cheapest_path(plain)
-                v1, p1 = _cheapest_path(priced)
-                paths += [_assignment(p) for p in (p0, p1) if p is not None]
+                v0, p0 = cheapest_path(plain)
+                v1, p1 = cheapest_path(priced)
+                paths += [assignment_of(p) for p in (p0, p1) if p is not None]
                 best = min(best, max(v0, v1) + fixed)
         return best, list(dict.fromkeys(paths))
 
@@ -280,10 +281,10 @@ class RuntimeLevels:
         """Per segment, a lower bound on the $/hour (shards excluded) of any plan using it."""
         weights = self._weights(hosted, target, rate)
         if self.sync or hosted:
-            return _through(rate)
+            return through(rate)
         out = np.full(rate.shape, np.inf)
         for plain, priced in weights:  # type: ignore[misc]
-            out = np.minimum(out, np.maximum(_through(plain), _through(priced)))
+            out = np.minimum(out, np.maximum(through(plain), through(priced)))
         return out
 
     def _heuristic(
@@ -303,9 +304,9 @@ class RuntimeLevels:
                 weight = weight + per[hosted] / max(self.host_budgets(hosted, target)[0], 1e-12)
             unit = float(self.price.max())
             for f in scale:
-                _, path = _cheapest_path(np.where(np.isfinite(rate), rate + f * unit * weight, np.inf))
+                _, path = cheapest_path(np.where(np.isfinite(rate), rate + f * unit * weight, np.inf))
                 if path is not None:
-                    out.append(_assignment(path))
+                    out.append(assignment_of(path))
         return list(dict.fromkeys(out))
 
     def remember(self, assignment: tuple[int, ...], reached: float, size: int = 24) -> None:
@@ -357,11 +358,11 @@ class RuntimeLevels:
                 continue
             loop = np.where(ok, self.busy[hosted] + self.waiting, np.inf)
             workers = 1.0 if (self.sync or hosted) else float(cap[np.flatnonzero(ok[0].any(axis=0))].max())
-            if _cheapest_path(loop)[0] > workers * self.loop_budget(target) * (1.0 + _ROW_SLACK):
+            if cheapest_path(loop)[0] > workers * self.loop_budget(target) * (1.0 + _ROW_SLACK):
                 continue
             fits = True
             for (per, _, _), limit in zip(self.hosts, self.host_budgets(hosted, target), strict=True):
-                if _cheapest_path(np.where(ok, per[hosted], np.inf))[0] > limit * (1.0 + _ROW_SLACK):
+                if cheapest_path(np.where(ok, per[hosted], np.inf))[0] > limit * (1.0 + _ROW_SLACK):
                     fits = False
                     break
             if fits:
@@ -610,12 +611,12 @@ class RuntimeLevels:
         chosen = np.flatnonzero(x[:n_seg] > 0.5)
         path = sorted((int(ii[s]), int(jj[s]), int(tt[s])) for s in chosen)
         if not objective:
-            return _Level(math.nan, -math.inf, _assignment(path))
+            return _Level(math.nan, -math.inf, assignment_of(path))
         found = float(c @ np.round(x))
         fixed = m * float(price[self.ps_type])
         dual = getattr(result, "mip_dual_bound", None)
         proven = found if dual is None or not math.isfinite(dual) else min(found, float(dual))
-        return _Level(found + fixed, proven + fixed, _assignment(path))
+        return _Level(found + fixed, proven + fixed, assignment_of(path))
 
     # -- the walk ------------------------------------------------------------------------------
 
@@ -751,105 +752,6 @@ class RuntimeLevels:
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def _excluding(best: np.ndarray) -> np.ndarray:
-    """out[..., t] = min over t' != t of best[..., t']."""
-    T = best.shape[-1]
-    if T == 1:
-        return np.full_like(best, np.inf)
-    order = np.argsort(best, axis=-1)
-    first = np.take_along_axis(best, order[..., :1], axis=-1)
-    second = np.take_along_axis(best, order[..., 1:2], axis=-1)
-    return np.where(order[..., :1] == np.arange(T), second, first)
-
-
-def _suffix(rate: np.ndarray) -> np.ndarray:
-    """suffix[i, t]: cheapest chain of segments covering layers i..L-1 whose first stage is on t
-    (adjacent types differ); row L is 0 (nothing left)."""
-    L, _, T = rate.shape
-    out = np.full((L + 1, T), np.inf)
-    out[L] = 0.0
-    after = np.full((L + 1, T), np.inf)  # after[j + 1, t]: best continuation after a stage on t ending at j
-    after[L] = 0.0
-    for i in range(L - 1, -1, -1):
-        out[i] = (rate[i, i:, :] + after[i + 1 :, :]).min(axis=0)
-        after[i] = _excluding(out[i][None, :])[0]
-    return out
-
-
-def _prefix_value(first: np.ndarray, t0: int, suffix: np.ndarray) -> float:
-    """min over j of first[j] (a first stage 0..j on t0) + the cheapest rest from j + 1 on another type."""
-    L = len(first)
-    rest = np.delete(suffix[1 : L + 1], t0, axis=1).min(axis=1) if suffix.shape[1] > 1 else np.full(L, np.inf)
-    rest[L - 1] = 0.0
-    return float((first + rest).min())
-
-
-def _cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
-    """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
-    L, _, T = rate.shape
-    best = np.full((L, T), np.inf)
-    came_from = np.zeros((L, T), dtype=np.int64)
-    prev_type = np.full((L, T), -1, dtype=np.int64)
-    types = np.arange(T)
-    for j in range(L):
-        best[j] = rate[0, j]
-        if j == 0:
-            continue
-        prev = best[:j]
-        if T > 1:
-            order = np.argsort(prev, axis=1)
-            excl_type = np.where(order[:, :1] == types[None, :], order[:, 1:2], order[:, :1])
-            excl = np.take_along_axis(prev, excl_type, axis=1)
-        else:
-            excl_type = np.zeros((j, 1), dtype=np.int64)
-            excl = np.full((j, 1), np.inf)
-        total = excl + rate[1 : j + 1, j]
-        i_best = np.argmin(total, axis=0)
-        value = total[i_best, types]
-        better = value < best[j]
-        best[j] = np.where(better, value, best[j])
-        came_from[j] = np.where(better, i_best + 1, 0)
-        prev_type[j] = np.where(better, excl_type[i_best, types], -1)
-    t = int(np.argmin(best[L - 1]))
-    value = float(best[L - 1, t])
-    if not math.isfinite(value):
-        return math.inf, None
-    path, j = [], L - 1
-    while j >= 0:
-        i = int(came_from[j, t])
-        path.append((i, j, t))
-        t, j = int(prev_type[j, t]), i - 1
-    return value, path[::-1]
-
-
-def _prefix(rate: np.ndarray) -> np.ndarray:
-    """prefix[j, t]: cheapest chain covering layers 0..j whose last stage (on t) ends at j."""
-    L, _, T = rate.shape
-    best = np.full((L, T), np.inf)
-    for j in range(L):
-        best[j] = rate[0, j]
-        if j:
-            best[j] = np.minimum(best[j], (_excluding(best[:j]) + rate[1 : j + 1, j]).min(axis=0))
-    return best
-
-
-def _through(rate: np.ndarray) -> np.ndarray:
-    """Per segment (i, j, t): the cheapest chain covering every layer that uses it."""
-    L, _, T = rate.shape
-    before = np.vstack([np.zeros((1, T)), _excluding(_prefix(rate))])  # row i: the chain 0..i-1
-    after = _excluding(_suffix(rate))  # row j + 1: the chain j+1..L-1 (row L: 0)
-    after[L] = 0.0
-    i = np.arange(L)
-    return before[i][:, None, :] + rate + after[i + 1][None, :, :]
-
-
-def _assignment(path: list[tuple[int, int, int]]) -> tuple[int, ...]:
-    out: list[int] = []
-    for i, j, t in path:
-        out += [t] * (j - i + 1)
-    return tuple(out)
 
 
 def runtime_level_search(
