@@ -47,10 +47,9 @@ from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
-from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision_counts
+from heterps_ray.scheduling.provisioning import REACH_RTOL, Provisioned, plan_from_counts, provision_counts
 from heterps_ray.scheduling.segment_paths import cheapest_path, through
 
-_REACH_RTOL = 1e-12  # as in provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
 _STEP_RTOL = 1e-9  # next level strictly above the last plan's throughput (relative)
 DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
 _TOO_MANY_STATES = object()
@@ -170,7 +169,7 @@ class _LevelSearch:
         relaxed: each stage within its type's limit, but not their sum (a bound, no ILP)."""
         self.solves += 1
         model = self.model
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         if model.rows_per_sample > 0.0:
             idx = int(np.searchsorted(self.ps_table, reach, side="left"))
             if idx >= len(self.shards):
@@ -407,7 +406,7 @@ class _LevelSearch:
         if len(candidates) == 0:
             return 0.0
         # invariant: candidates[<= lo] reachable (or lo = -1), candidates[> hi] not
-        lo = int(np.searchsorted(candidates, known * (1.0 - _REACH_RTOL), side="right")) - 1
+        lo = int(np.searchsorted(candidates, known * (1.0 - REACH_RTOL), side="right")) - 1
         hi = len(candidates) - 1
         if lo < 0:
             if self.solve(float(candidates[0]), relaxed) is None:
@@ -421,9 +420,9 @@ class _LevelSearch:
                 # cheap first: the relaxed plan's assignment, provisioned exactly, often reaches the
                 # level (and beyond: jump there); only when it does not is the level solved exactly
                 reached = provision_counts(self.model, level.assignment).max_throughput
-                if reached >= target * (1.0 - _REACH_RTOL):
+                if reached >= target * (1.0 - REACH_RTOL):
                     lo = max(
-                        mid, int(np.searchsorted(candidates, reached * (1.0 + _REACH_RTOL), side="right")) - 1
+                        mid, int(np.searchsorted(candidates, reached * (1.0 + REACH_RTOL), side="right")) - 1
                     )
                     continue
                 level = self.solve(target)

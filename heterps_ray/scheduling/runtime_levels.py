@@ -50,10 +50,9 @@ from heterps_ray.costmodel.formulas import (
 )
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
-from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
+from heterps_ray.scheduling.provisioning import REACH_RTOL, Provisioned, provision_counts
 from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
-_REACH_RTOL = 1e-12  # as provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
 _STEP_RTOL = 1e-9  # next level strictly above the last (relative); the fastest plan is proven to this
 _ROW_SLACK = 1e-12  # the ILP's loop and host rows relaxed by this (relative): float rounding only
 _SOLVER_RTOL = 1e-7  # a level whose ILP plan misses it within HiGHS' tolerances: the walk steps this far
@@ -178,7 +177,7 @@ class RuntimeLevels:
         """k(i,j,t): fewest replicas of each segment reaching `target` as a stage (_HUGE: none).
         Sync: 1 where one replica reaches it (replicas add nothing there)."""
         tau = self.K * self.busy[hosted]
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         if self.sync:
             theta = stage_throughput(self.B, tau, self.alpha, 1.0)
             return np.where(self.valid & (theta >= reach), 1.0, _HUGE)
@@ -190,7 +189,7 @@ class RuntimeLevels:
         model = self.model
         if hosted or model.rows_per_sample <= 0.0:
             return int(self.shards[0])
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         for m in self.shards:
             if model.ps_throughput(int(m)) >= reach:
                 return int(m)
@@ -320,7 +319,7 @@ class RuntimeLevels:
         throughput those counts give); (inf, 0) when it never does. The walk steps to that throughput,
         not to the most the assignment reaches with more replicas: those cost more than the rate."""
         model = self.model
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         stages = model.stage_times(list(assignment))
         best, reached = math.inf, 0.0
         m = self.ps_shards(False, target)
@@ -379,7 +378,7 @@ class RuntimeLevels:
         if not math.isfinite(lb):
             return None
         upper, incumbent, reached = math.inf, None, 0.0
-        known = [a for a, most in self.pool.items() if most >= target * (1.0 - _REACH_RTOL)]
+        known = [a for a, most in self.pool.items() if most >= target * (1.0 - REACH_RTOL)]
         for assignment in dict.fromkeys(paths + known):
             rate, at = self.rate_at(assignment, target)
             if rate < upper:
@@ -649,12 +648,12 @@ class RuntimeLevels:
                 break
             mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
             self.proof.bisection_steps += 1
-            level = self.solve(mid * (1.0 - _REACH_RTOL), objective=False)
+            level = self.solve(mid * (1.0 - REACH_RTOL), objective=False)
             if level is None:
                 hi = mid
                 continue
             reached = provision_counts(model, level.assignment).max_throughput
-            if reached < mid * (1.0 - _REACH_RTOL):  # within the solver's tolerance only: not reached
+            if reached < mid * (1.0 - REACH_RTOL):  # within the solver's tolerance only: not reached
                 hi = mid
                 continue
             lo, best = max(lo, reached), level.assignment
