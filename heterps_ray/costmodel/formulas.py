@@ -50,6 +50,35 @@ def stage_throughput(batch_size: float, tau_ms: Any, alpha: Any, replicas: Any) 
     return float(theta) if theta.ndim == 0 else theta
 
 
+def amdahl_replicas(tau_ms: Any, alpha: Any, budget_ms: Any) -> Any:
+    """The fractional k >= 1 with tau / ((1 - alpha) + alpha / k) = budget_ms, i.e. theta_s(k) equal to
+    the target 1000 * B / budget_ms (Amdahl solved for k); inf where no count gets there (the serial
+    part alone, (1 - alpha) * tau, exceeds the budget). Floats in, a float out; arrays in, an array out."""
+    tau, a = np.asarray(tau_ms, dtype=np.float64), np.asarray(alpha, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        room = np.asarray(budget_ms) / tau - (1.0 - a)  # allowed value of alpha / k
+        k = np.where(room > 0.0, np.maximum(np.where(a > 0.0, a / room, 1.0), 1.0), np.inf)
+    k = np.where(tau <= np.asarray(budget_ms), 1.0, k)
+    return float(k) if k.ndim == 0 else k
+
+
+def fewest_replicas(batch_size: float, tau_ms: Any, alpha: Any, target: float) -> Any:
+    """The fewest whole replicas k with theta_s(k) >= target (samples/s), inf where none does: the
+    ceiling of amdahl_replicas, corrected against stage_throughput itself so that float rounding of the
+    closed form never decides whether a count reaches the target. The one replica rule of both level
+    searches (exact.py, runtime_levels.py); the policy's features use amdahl_replicas."""
+    tau = np.asarray(tau_ms, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        budget_ms = MS_PER_S * batch_size / np.float64(target)  # inf for a target of 0: one replica
+        k = np.ceil(np.minimum(amdahl_replicas(tau, alpha, budget_ms), 1e15))
+        for _ in range(2):
+            down = np.maximum(k - 1.0, 1.0)
+            k = np.where((down < k) & (stage_throughput(batch_size, tau, alpha, down) >= target), down, k)
+            k = np.where(stage_throughput(batch_size, tau, alpha, k) < target, k + 1.0, k)
+    k = np.where(k >= 1e15, np.inf, k)
+    return float(k) if k.ndim == 0 else k
+
+
 def ps_throughput(shards: int, rows_per_second_per_shard: float, rows_per_sample: float) -> float:
     """theta_ps(m) = m * rows/s per shard / sparse rows per sample (samples/s); inf without sparse rows."""
     if rows_per_sample <= 0.0:

@@ -42,14 +42,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR, stage_throughput
+from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR, fewest_replicas, stage_throughput
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
-from heterps_ray.scheduling.provisioning import Provisioned, plan_from_counts, provision_counts
+from heterps_ray.scheduling.provisioning import REACH_RTOL, Provisioned, plan_from_counts, provision_counts
+from heterps_ray.scheduling.segment_paths import cheapest_path, through
 
-_REACH_RTOL = 1e-12  # as in provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
 _STEP_RTOL = 1e-9  # next level strictly above the last plan's throughput (relative)
 DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
 _TOO_MANY_STATES = object()
@@ -160,23 +160,8 @@ class _LevelSearch:
 
     def replicas_needed(self, target: float) -> np.ndarray:
         """k(i,j,t): fewest replicas of segment (i,j,t) reaching `target` samples/s (huge if none)."""
-        B, tau, alpha = self.model.batch_size, self.tau, self.alpha
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            r = MS_PER_S * B / (tau * target)  # allowed value of (1 - alpha) + alpha / k
-            slack = r - (1.0 - alpha)
-            k = np.where(alpha > 0.0, np.ceil(alpha / slack), 1.0)
-            k = np.where((slack > 0.0) & self.valid, np.maximum(k, 1.0), np.inf)
-            k = np.minimum(k, 1e12)
-            # correct float rounding of the closed form against the formula itself
-            for _ in range(2):
-                down = np.maximum(k - 1.0, 1.0)
-                k = np.where((down < k) & (self._theta(down) >= target), down, k)
-                k = np.where(self._theta(k) < target, k + 1.0, k)
-        return k
-
-    def _theta(self, k: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return stage_throughput(self.model.batch_size, self.tau, self.alpha, k)
+        k = fewest_replicas(self.model.batch_size, self.tau, self.alpha, target)
+        return np.minimum(np.where(self.valid, k, np.inf), 1e12)
 
     def solve(self, target: float, relaxed: bool = False) -> _Level | None:
         """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
@@ -184,7 +169,7 @@ class _LevelSearch:
         relaxed: each stage within its type's limit, but not their sum (a bound, no ILP)."""
         self.solves += 1
         model = self.model
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         if model.rows_per_sample > 0.0:
             idx = int(np.searchsorted(self.ps_table, reach, side="left"))
             if idx >= len(self.shards):
@@ -197,7 +182,7 @@ class _LevelSearch:
         k = self.replicas_needed(reach)
         seg_ok = k <= cap[None, None, :]
         seg_rate = np.where(seg_ok, k * model.price[None, None, :], np.inf)
-        path = self._shortest_path(seg_rate)
+        path = cheapest_path(seg_rate)[1]
         if path is None:
             return None
         usage = self._usage(path, k)
@@ -314,7 +299,7 @@ class _LevelSearch:
         step = max(float(self.model.price.max()), 1e-9)
         for _ in range(30):
             priced = seg_rate + k * lam[None, None, :]
-            candidate = self._shortest_path(priced)
+            candidate = cheapest_path(priced)[1]
             if candidate is None:
                 break
             usage = self._usage(candidate, k)
@@ -330,80 +315,9 @@ class _LevelSearch:
             step *= 0.8
         # prune by the Lagrangian bound of the best path through each segment
         priced = seg_rate + k * lam[None, None, :]
-        through = self._through(priced) - float(lam @ cap)
-        keep = np.isfinite(seg_rate) & (through <= upper * (1.0 + 1e-9))
+        bound = through(priced) - float(lam @ cap)
+        keep = np.isfinite(seg_rate) & (bound <= upper * (1.0 + 1e-9))
         return self._ilp(np.where(keep, seg_rate, np.inf), k, cap)
-
-    def _through(self, seg_rate: np.ndarray) -> np.ndarray:
-        """Cost of the cheapest full path through each segment (i, j, t) (adjacent types differ)."""
-        fwd = self._best_table(seg_rate)  # fwd[j, t]: layers 0..j, last stage type t
-        rev = seg_rate[::-1, ::-1].transpose(1, 0, 2)  # rev[i', j'] = seg[L-1-j', L-1-i']
-        bwd = self._best_table(rev)[::-1]  # bwd[i, t]: layers i..L-1, first stage type t
-        L, T = self.L, self.T
-        excl_f = np.vstack([np.zeros((1, T)), self._excluding(fwd)])  # [L+1, T]; row 0: nothing before
-        excl_b = np.vstack([self._excluding(bwd), np.zeros((1, T))])  # row L: nothing after
-        i = np.arange(L)[:, None, None]
-        j = np.arange(L)[None, :, None]
-        return excl_f[i[:, :, 0]] + seg_rate + excl_b[j[:, :, 0] + 1]
-
-    @staticmethod
-    def _excluding(best: np.ndarray) -> np.ndarray:
-        """out[r, t] = min over t' != t of best[r, t']."""
-        T = best.shape[1]
-        if T == 1:
-            return np.full_like(best, np.inf)
-        out = np.empty_like(best)
-        for t in range(T):
-            out[:, t] = np.delete(best, t, axis=1).min(axis=1)
-        return out
-
-    def _best_table(self, seg_rate: np.ndarray) -> np.ndarray:
-        L = self.L
-        best = np.full((L, self.T), np.inf)
-        for j in range(L):
-            best[j] = seg_rate[0, j]
-            if j:
-                total = self._excluding(best[:j]) + seg_rate[1 : j + 1, j]
-                best[j] = np.minimum(best[j], total.min(axis=0))
-        return best
-
-    def _shortest_path(self, seg_rate: np.ndarray) -> list[tuple[int, int, int]] | None:
-        """Cheapest chain of segments covering all layers, adjacent types differing (DP)."""
-        L, T = self.L, self.T
-        types = np.arange(T)
-        best = np.full((L, T), np.inf)  # best[j, t]: layers 0..j, last stage on t ends at j
-        came_from = np.zeros((L, T), dtype=np.int64)  # start i of that last stage
-        prev_type = np.full((L, T), -1, dtype=np.int64)
-        for j in range(L):
-            best[j] = seg_rate[0, j]
-            if j == 0:
-                continue
-            prev = best[:j]  # [j, T]: prefixes ending at i-1 for i = 1..j
-            if T > 1:
-                order = np.argsort(prev, axis=1)
-                first, second = order[:, 0:1], order[:, 1:2]
-                excl_type = np.where(first == types[None, :], second, first)  # best t' != t
-            else:
-                excl_type = np.zeros((j, 1), dtype=np.int64)
-            excl = np.take_along_axis(prev, excl_type, axis=1)
-            if T == 1:
-                excl = np.full_like(excl, np.inf)
-            total = excl + seg_rate[1 : j + 1, j]  # [j, T] over start i = 1..j
-            i_best = np.argmin(total, axis=0)
-            value = total[i_best, types]
-            better = value < best[j]
-            best[j] = np.where(better, value, best[j])
-            came_from[j] = np.where(better, i_best + 1, 0)
-            prev_type[j] = np.where(better, excl_type[i_best, types], -1)
-        t = int(np.argmin(best[L - 1]))
-        if not math.isfinite(best[L - 1, t]):
-            return None
-        path, j = [], L - 1
-        while j >= 0:
-            i = int(came_from[j, t])
-            path.append((i, j, t))
-            t, j = int(prev_type[j, t]), i - 1
-        return path[::-1]
 
     def _ilp(self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray) -> list[tuple[int, int, int]] | None:
         """The same shortest path with the per-type instance limits, as a 0/1 program."""
@@ -483,14 +397,16 @@ class _LevelSearch:
         relaxed bound); candidates outside them are not solved (fewer exact levels, same answer)."""
         cap_any = int(self.cap.max())
         ks = np.arange(1, cap_any + 1, dtype=np.float64)
-        thetas = self._theta(ks[:, None, None, None])  # [K, L, L, T]
+        thetas = stage_throughput(
+            self.model.batch_size, self.tau, self.alpha, ks[:, None, None, None]
+        )  # [K, L, L, T]
         allowed = (ks[:, None, None, None] <= self.cap[None, None, :]) & self.valid[None]
         candidates = np.unique(np.concatenate([thetas[allowed], self.ps_table]))
         candidates = candidates[(candidates > 0.0) & (candidates <= bound * (1.0 + _STEP_RTOL))]
         if len(candidates) == 0:
             return 0.0
         # invariant: candidates[<= lo] reachable (or lo = -1), candidates[> hi] not
-        lo = int(np.searchsorted(candidates, known * (1.0 - _REACH_RTOL), side="right")) - 1
+        lo = int(np.searchsorted(candidates, known * (1.0 - REACH_RTOL), side="right")) - 1
         hi = len(candidates) - 1
         if lo < 0:
             if self.solve(float(candidates[0]), relaxed) is None:
@@ -504,9 +420,9 @@ class _LevelSearch:
                 # cheap first: the relaxed plan's assignment, provisioned exactly, often reaches the
                 # level (and beyond: jump there); only when it does not is the level solved exactly
                 reached = provision_counts(self.model, level.assignment).max_throughput
-                if reached >= target * (1.0 - _REACH_RTOL):
+                if reached >= target * (1.0 - REACH_RTOL):
                     lo = max(
-                        mid, int(np.searchsorted(candidates, reached * (1.0 + _REACH_RTOL), side="right")) - 1
+                        mid, int(np.searchsorted(candidates, reached * (1.0 + REACH_RTOL), side="right")) - 1
                     )
                     continue
                 level = self.solve(target)

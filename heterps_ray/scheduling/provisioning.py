@@ -26,7 +26,7 @@ from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import price_plan
 
-_REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
+REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
     candidates = np.unique(
         np.concatenate(tables + [ps_table] + ([[ceiling]] if math.isfinite(ceiling) else []))
     )
-    target = candidates * (1.0 - _REACH_RTOL)
+    target = candidates * (1.0 - REACH_RTOL)
     reachable = np.ones(len(candidates), dtype=bool)
     usage = np.zeros((len(candidates), model.num_types), dtype=np.int64)
     throughput = np.full(len(candidates), np.inf)

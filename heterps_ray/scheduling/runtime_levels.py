@@ -34,18 +34,25 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
-from heterps_ray.costmodel.formulas import BYTES_PER_MS_PER_GBPS, FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.costmodel.formulas import (
+    BYTES_PER_MS_PER_GBPS,
+    FLOOR_RTOL,
+    MS_PER_S,
+    S_PER_HOUR,
+    fewest_replicas,
+    stage_throughput,
+)
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
-from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
+from heterps_ray.scheduling.provisioning import REACH_RTOL, Provisioned, provision_counts
+from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
-_REACH_RTOL = 1e-12  # as provisioning: a count reaches X when its throughput is >= X (1 - 1e-12)
 _STEP_RTOL = 1e-9  # next level strictly above the last (relative); the fastest plan is proven to this
 _ROW_SLACK = 1e-12  # the ILP's loop and host rows relaxed by this (relative): float rounding only
 _SOLVER_RTOL = 1e-7  # a level whose ILP plan misses it within HiGHS' tolerances: the walk steps this far
@@ -88,6 +95,7 @@ class _Level:
     rate: float  # $/hour of the plan found
     bound: float  # proven lower bound on R*(X) ($/hour)
     assignment: tuple[int, ...]
+    throughput: float = math.nan  # samples/s the plan found reaches *at that rate* (nan: not priced)
 
 
 class RuntimeLevels:
@@ -169,18 +177,19 @@ class RuntimeLevels:
         """k(i,j,t): fewest replicas of each segment reaching `target` as a stage (_HUGE: none).
         Sync: 1 where one replica reaches it (replicas add nothing there)."""
         tau = self.K * self.busy[hosted]
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         if self.sync:
-            theta = _theta(self.B, tau, self.alpha, 1.0)
+            theta = stage_throughput(self.B, tau, self.alpha, 1.0)
             return np.where(self.valid & (theta >= reach), 1.0, _HUGE)
-        return _fewest(self.B, tau, self.alpha, self.valid, reach)
+        k = fewest_replicas(self.B, tau, self.alpha, reach)
+        return np.where(self.valid & np.isfinite(k), np.minimum(k, _HUGE), _HUGE)
 
     def ps_shards(self, hosted: bool, target: float) -> int | None:
         """Shards for the level: the fewest reaching it (hosted: the fewest there are); None: none."""
         model = self.model
         if hosted or model.rows_per_sample <= 0.0:
             return int(self.shards[0])
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         for m in self.shards:
             if model.ps_throughput(int(m)) >= reach:
                 return int(m)
@@ -255,15 +264,15 @@ class RuntimeLevels:
             fixed = m * float(self.price[self.ps_type])
             weights = self._weights(hosted, target, rate)
             if self.sync or hosted:
-                value, path = _cheapest_path(rate)
+                value, path = cheapest_path(rate)
                 if path is not None:
-                    paths.append(_assignment(path))
+                    paths.append(assignment_of(path))
                 best = min(best, value + fixed)
                 continue
             for plain, priced in weights:  # type: ignore[misc]
-                v0, p0 = _cheapest_path(plain)
-                v1, p1 = _cheapest_path(priced)
-                paths += [_assignment(p) for p in (p0, p1) if p is not None]
+                v0, p0 = cheapest_path(plain)
+                v1, p1 = cheapest_path(priced)
+                paths += [assignment_of(p) for p in (p0, p1) if p is not None]
                 best = min(best, max(v0, v1) + fixed)
         return best, list(dict.fromkeys(paths))
 
@@ -271,10 +280,10 @@ class RuntimeLevels:
         """Per segment, a lower bound on the $/hour (shards excluded) of any plan using it."""
         weights = self._weights(hosted, target, rate)
         if self.sync or hosted:
-            return _through(rate)
+            return through(rate)
         out = np.full(rate.shape, np.inf)
         for plain, priced in weights:  # type: ignore[misc]
-            out = np.minimum(out, np.maximum(_through(plain), _through(priced)))
+            out = np.minimum(out, np.maximum(through(plain), through(priced)))
         return out
 
     def _heuristic(
@@ -294,9 +303,9 @@ class RuntimeLevels:
                 weight = weight + per[hosted] / max(self.host_budgets(hosted, target)[0], 1e-12)
             unit = float(self.price.max())
             for f in scale:
-                _, path = _cheapest_path(np.where(np.isfinite(rate), rate + f * unit * weight, np.inf))
+                _, path = cheapest_path(np.where(np.isfinite(rate), rate + f * unit * weight, np.inf))
                 if path is not None:
-                    out.append(_assignment(path))
+                    out.append(assignment_of(path))
         return list(dict.fromkeys(out))
 
     def remember(self, assignment: tuple[int, ...], reached: float, size: int = 24) -> None:
@@ -305,12 +314,14 @@ class RuntimeLevels:
         if len(self.pool) > size:
             del self.pool[min(self.pool, key=lambda a: self.pool[a])]
 
-    def rate_at(self, assignment: tuple[int, ...], target: float) -> float:
-        """The fewest $/hour at which `assignment` reaches `target` within max_instances (inf: never)."""
+    def rate_at(self, assignment: tuple[int, ...], target: float) -> tuple[float, float]:
+        """(the fewest $/hour at which `assignment` reaches `target` within max_instances, the
+        throughput those counts give); (inf, 0) when it never does. The walk steps to that throughput,
+        not to the most the assignment reaches with more replicas: those cost more than the rate."""
         model = self.model
-        reach = target * (1.0 - _REACH_RTOL)
+        reach = target * (1.0 - REACH_RTOL)
         stages = model.stage_times(list(assignment))
-        best = math.inf
+        best, reached = math.inf, 0.0
         m = self.ps_shards(False, target)
         if m is not None:
             tables, ceiling = model.throughput_tables(stages, [int(self.cap[s.type]) for s in stages])
@@ -322,12 +333,12 @@ class RuntimeLevels:
                         counts[j] += 1
                     ev = model.evaluate(list(assignment), counts, m)
                     if ev.available and ev.throughput >= reach:
-                        best = ev.cost_rate
+                        best, reached = ev.cost_rate, ev.throughput
         if self.auto:
             ev = model.evaluate(list(assignment), [1] * len(stages), int(self.shards[0]))
-            if ev.available and ev.throughput >= reach:
-                best = min(best, ev.cost_rate)
-        return best
+            if ev.available and ev.throughput >= reach and ev.cost_rate < best:
+                best, reached = ev.cost_rate, ev.throughput
+        return best, reached
 
     def reachable(self, target: float) -> bool:
         """A relaxation of "some plan reaches `target`": each stage within its type's limit, the
@@ -346,11 +357,11 @@ class RuntimeLevels:
                 continue
             loop = np.where(ok, self.busy[hosted] + self.waiting, np.inf)
             workers = 1.0 if (self.sync or hosted) else float(cap[np.flatnonzero(ok[0].any(axis=0))].max())
-            if _cheapest_path(loop)[0] > workers * self.loop_budget(target) * (1.0 + _ROW_SLACK):
+            if cheapest_path(loop)[0] > workers * self.loop_budget(target) * (1.0 + _ROW_SLACK):
                 continue
             fits = True
             for (per, _, _), limit in zip(self.hosts, self.host_budgets(hosted, target), strict=True):
-                if _cheapest_path(np.where(ok, per[hosted], np.inf))[0] > limit * (1.0 + _ROW_SLACK):
+                if cheapest_path(np.where(ok, per[hosted], np.inf))[0] > limit * (1.0 + _ROW_SLACK):
                     fits = False
                     break
             if fits:
@@ -366,19 +377,19 @@ class RuntimeLevels:
         lb, paths = self.lower_bound(target)
         if not math.isfinite(lb):
             return None
-        upper, incumbent = math.inf, None
-        known = [a for a, reached in self.pool.items() if reached >= target * (1.0 - _REACH_RTOL)]
+        upper, incumbent, reached = math.inf, None, 0.0
+        known = [a for a, most in self.pool.items() if most >= target * (1.0 - REACH_RTOL)]
         for assignment in dict.fromkeys(paths + known):
-            rate = self.rate_at(assignment, target)
+            rate, at = self.rate_at(assignment, target)
             if rate < upper:
-                upper, incumbent = rate, assignment
+                upper, incumbent, reached = rate, assignment, at
         if incumbent is not None and (not objective or upper <= lb * (1.0 + 1e-12)):
             self.proof.levels_by_dp += 1
-            return _Level(upper, lb if objective else upper, incumbent)
+            return _Level(upper, lb if objective else upper, incumbent, reached)
         for assignment in self._heuristic(target):  # plans whose loop is priced higher: an upper bound
-            rate = self.rate_at(assignment, target)
+            rate, at = self.rate_at(assignment, target)
             if rate < upper:
-                upper, incumbent = rate, assignment
+                upper, incumbent, reached = rate, assignment, at
         best: _Level | None = None
         for hosted in self._cases():
             level = self._solve_case(hosted, target, objective, upper)
@@ -390,8 +401,11 @@ class RuntimeLevels:
                 break
         if incumbent is not None and (best is None or upper <= best.rate):
             # no plan below `upper` (the ILPs over every segment such a plan could use): it is optimal
-            return _Level(upper, upper if best is None else min(upper, best.bound), incumbent)
-        return best
+            return _Level(upper, upper if best is None else min(upper, best.bound), incumbent, reached)
+        if best is None:
+            return None
+        rate, at = self.rate_at(best.assignment, target)  # the ILP's counts re-provisioned: what they reach
+        return replace(best, rate=min(rate, best.rate), throughput=at)
 
     def _solve_case(self, hosted: bool, target: float, objective: bool, upper: float) -> _Level | None:
         """One case's ILP over the segments through which a plan may cost less than `upper`."""
@@ -596,12 +610,12 @@ class RuntimeLevels:
         chosen = np.flatnonzero(x[:n_seg] > 0.5)
         path = sorted((int(ii[s]), int(jj[s]), int(tt[s])) for s in chosen)
         if not objective:
-            return _Level(math.nan, -math.inf, _assignment(path))
+            return _Level(math.nan, -math.inf, assignment_of(path))
         found = float(c @ np.round(x))
         fixed = m * float(price[self.ps_type])
         dual = getattr(result, "mip_dual_bound", None)
         proven = found if dual is None or not math.isfinite(dual) else min(found, float(dual))
-        return _Level(found + fixed, proven + fixed, _assignment(path))
+        return _Level(found + fixed, proven + fixed, assignment_of(path))
 
     # -- the walk ------------------------------------------------------------------------------
 
@@ -634,12 +648,12 @@ class RuntimeLevels:
                 break
             mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
             self.proof.bisection_steps += 1
-            level = self.solve(mid * (1.0 - _REACH_RTOL), objective=False)
+            level = self.solve(mid * (1.0 - REACH_RTOL), objective=False)
             if level is None:
                 hi = mid
                 continue
             reached = provision_counts(model, level.assignment).max_throughput
-            if reached < mid * (1.0 - _REACH_RTOL):  # within the solver's tolerance only: not reached
+            if reached < mid * (1.0 - REACH_RTOL):  # within the solver's tolerance only: not reached
                 hi = mid
                 continue
             lo, best = max(lo, reached), level.assignment
@@ -672,12 +686,19 @@ class RuntimeLevels:
         if not math.isfinite(lb):
             self.proof.stop = "no plan reaches the floor (DP bound)"
             return best, known
+        # theta_max: no plan reaches it. `reachable` relaxes every constraint of a level (each stage
+        # within its own type's limit, the loop with the most DataWorkers any type has, each host's
+        # least-work path) and each of them only tightens as the level rises, so it is monotone and
+        # its bisection's upper end bounds every plan's throughput.
         theta_max = self.throughput_bound(max(known, target, 1e-9))
         to_cost = model.samples / S_PER_HOUR
         while target <= theta_max * (1.0 + _STEP_RTOL):
             if time.perf_counter() > self.deadline:
                 self.proof.stop = "time limit"
                 return best, theta_max
+            # lb <= R*(target) (lower_bound: every path weight it minimises is at most the plan's rate),
+            # and R*(X) <= R*(X') for X <= X' (a plan reaching X' reaches X): lb bounds every plan here
+            # and above
             lb, paths = self.lower_bound(max(target, 1e-300))
             if not math.isfinite(lb):
                 self.proof.stop = "no plan reaches the level (DP bound)"
@@ -685,10 +706,12 @@ class RuntimeLevels:
             for assignment in paths:
                 consider(assignment)
             if best is not None:
+                # stop: every remaining plan costs R · N / 3600 / Θ >= lb · N / 3600 / theta_max
                 if monetary_cost(lb, model.samples, theta_max) >= best[1].cost:
                     self.proof.stop = "DP bound at the level / max throughput >= cost"
                     self.proof.bound = monetary_cost(lb, model.samples, theta_max)
                     break
+                # skip: a plan with target <= Θ < skip_to costs >= lb · N / 3600 / Θ > the best cost
                 skip_to = lb * to_cost / best[1].cost
                 if skip_to > target * (1.0 + _STEP_RTOL):
                     self.proof.levels_bounded += 1
@@ -699,21 +722,28 @@ class RuntimeLevels:
                 self.proof.stop = "no plan reaches the level (ILP infeasible)"
                 break
             consider(level.assignment)
-            reached = provision_counts(model, level.assignment).max_throughput
+            # level.bound <= R*(target): HiGHS' dual bound (or the DP bound the plan meets)
             if best is not None and monetary_cost(level.bound, model.samples, theta_max) >= best[1].cost:
                 self.proof.stop = "ILP bound at the level / max throughput >= cost"
                 self.proof.bound = monetary_cost(level.bound, model.samples, theta_max)
                 break
-            if math.isinf(reached):
+            if math.isinf(level.throughput):
                 self.proof.stop = "unbounded throughput"
                 break
-            nxt = reached
-            if best is not None:
+            # step to what the plan found reaches *at its rate*: when that rate is R*(target), a plan
+            # with target <= Θ <= level.throughput has R >= R*(target) and Θ no higher, so it is no
+            # cheaper. Not to the most its assignment reaches with more replicas (issue 26): those
+            # replicas cost more than R*(target), which proves nothing about the plans in between.
+            optimal = level.rate <= level.bound * (1.0 + _SOLVER_RTOL)  # else only the bound steps
+            nxt = level.throughput if optimal else 0.0
+            if best is not None:  # the skip above, with the ILP's bound
                 nxt = max(nxt, level.bound * to_cost / best[1].cost)
-            if nxt < target:  # the ILP's plan misses the level within the solver's tolerances
+            if nxt < target or (not optimal and nxt <= target):
+                # the ILP's plan misses the level, or its rate is not proven, within the solver's
+                # tolerances: plans with Θ in [target, target (1 + 1e-7)) are passed over (counted)
                 self.proof.tolerance_steps += 1
                 nxt = target * (1.0 + _SOLVER_RTOL)
-            target = nxt * (1.0 + _STEP_RTOL)
+            target = nxt * (1.0 + _STEP_RTOL)  # plans in (nxt, nxt (1 + 1e-9)): within 1e-9 of it
         else:
             self.proof.stop = "level above the max throughput bound"
         return best, theta_max
@@ -721,127 +751,6 @@ class RuntimeLevels:
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def _theta(batch: float, tau: np.ndarray, alpha: np.ndarray, k: Any) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        theta = MS_PER_S * batch / tau / ((1.0 - alpha) + alpha / k)
-    return np.where(tau <= 0.0, np.inf, theta)
-
-
-def _fewest(batch: float, tau: np.ndarray, alpha: np.ndarray, valid: np.ndarray, reach: float) -> np.ndarray:
-    """Fewest replicas k with theta(k) >= reach, per entry (_HUGE where none); the closed form of
-    Amdahl's law corrected against the formula itself."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        r = MS_PER_S * batch / (tau * reach)
-        slack = r - (1.0 - alpha)
-        k = np.where(alpha > 0.0, np.ceil(alpha / slack), 1.0)
-        k = np.where((slack > 0.0) & valid, np.maximum(k, 1.0), _HUGE)
-        k = np.minimum(k, _HUGE)
-        for _ in range(2):
-            down = np.maximum(k - 1.0, 1.0)
-            k = np.where((down < k) & (_theta(batch, tau, alpha, down) >= reach), down, k)
-            k = np.where((k < _HUGE) & (_theta(batch, tau, alpha, k) < reach), k + 1.0, k)
-    return np.where(valid, k, _HUGE)
-
-
-def _excluding(best: np.ndarray) -> np.ndarray:
-    """out[..., t] = min over t' != t of best[..., t']."""
-    T = best.shape[-1]
-    if T == 1:
-        return np.full_like(best, np.inf)
-    order = np.argsort(best, axis=-1)
-    first = np.take_along_axis(best, order[..., :1], axis=-1)
-    second = np.take_along_axis(best, order[..., 1:2], axis=-1)
-    return np.where(order[..., :1] == np.arange(T), second, first)
-
-
-def _suffix(rate: np.ndarray) -> np.ndarray:
-    """suffix[i, t]: cheapest chain of segments covering layers i..L-1 whose first stage is on t
-    (adjacent types differ); row L is 0 (nothing left)."""
-    L, _, T = rate.shape
-    out = np.full((L + 1, T), np.inf)
-    out[L] = 0.0
-    after = np.full((L + 1, T), np.inf)  # after[j + 1, t]: best continuation after a stage on t ending at j
-    after[L] = 0.0
-    for i in range(L - 1, -1, -1):
-        out[i] = (rate[i, i:, :] + after[i + 1 :, :]).min(axis=0)
-        after[i] = _excluding(out[i][None, :])[0]
-    return out
-
-
-def _prefix_value(first: np.ndarray, t0: int, suffix: np.ndarray) -> float:
-    """min over j of first[j] (a first stage 0..j on t0) + the cheapest rest from j + 1 on another type."""
-    L = len(first)
-    rest = np.delete(suffix[1 : L + 1], t0, axis=1).min(axis=1) if suffix.shape[1] > 1 else np.full(L, np.inf)
-    rest[L - 1] = 0.0
-    return float((first + rest).min())
-
-
-def _cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
-    """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
-    L, _, T = rate.shape
-    best = np.full((L, T), np.inf)
-    came_from = np.zeros((L, T), dtype=np.int64)
-    prev_type = np.full((L, T), -1, dtype=np.int64)
-    types = np.arange(T)
-    for j in range(L):
-        best[j] = rate[0, j]
-        if j == 0:
-            continue
-        prev = best[:j]
-        if T > 1:
-            order = np.argsort(prev, axis=1)
-            excl_type = np.where(order[:, :1] == types[None, :], order[:, 1:2], order[:, :1])
-            excl = np.take_along_axis(prev, excl_type, axis=1)
-        else:
-            excl_type = np.zeros((j, 1), dtype=np.int64)
-            excl = np.full((j, 1), np.inf)
-        total = excl + rate[1 : j + 1, j]
-        i_best = np.argmin(total, axis=0)
-        value = total[i_best, types]
-        better = value < best[j]
-        best[j] = np.where(better, value, best[j])
-        came_from[j] = np.where(better, i_best + 1, 0)
-        prev_type[j] = np.where(better, excl_type[i_best, types], -1)
-    t = int(np.argmin(best[L - 1]))
-    value = float(best[L - 1, t])
-    if not math.isfinite(value):
-        return math.inf, None
-    path, j = [], L - 1
-    while j >= 0:
-        i = int(came_from[j, t])
-        path.append((i, j, t))
-        t, j = int(prev_type[j, t]), i - 1
-    return value, path[::-1]
-
-
-def _prefix(rate: np.ndarray) -> np.ndarray:
-    """prefix[j, t]: cheapest chain covering layers 0..j whose last stage (on t) ends at j."""
-    L, _, T = rate.shape
-    best = np.full((L, T), np.inf)
-    for j in range(L):
-        best[j] = rate[0, j]
-        if j:
-            best[j] = np.minimum(best[j], (_excluding(best[:j]) + rate[1 : j + 1, j]).min(axis=0))
-    return best
-
-
-def _through(rate: np.ndarray) -> np.ndarray:
-    """Per segment (i, j, t): the cheapest chain covering every layer that uses it."""
-    L, _, T = rate.shape
-    before = np.vstack([np.zeros((1, T)), _excluding(_prefix(rate))])  # row i: the chain 0..i-1
-    after = _excluding(_suffix(rate))  # row j + 1: the chain j+1..L-1 (row L: 0)
-    after[L] = 0.0
-    i = np.arange(L)
-    return before[i][:, None, :] + rate + after[i + 1][None, :, :]
-
-
-def _assignment(path: list[tuple[int, int, int]]) -> tuple[int, ...]:
-    out: list[int] = []
-    for i, j, t in path:
-        out += [t] * (j - i + 1)
-    return tuple(out)
 
 
 def runtime_level_search(

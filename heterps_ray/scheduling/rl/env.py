@@ -32,6 +32,7 @@ import gymnasium as gym
 import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel.formulas import amdahl_replicas
 from heterps_ray.scheduling.provisioning import Provisioned, provision_counts
 
 PRETRAIN_TYPES = 8  # pretraining pads every problem's types to this many (masked); planning needs no pad
@@ -258,13 +259,8 @@ class ProblemView:
 
 
 def replicas_needed(tau_ms: float, alpha: float, budget_ms: float) -> float:
-    """Fractional Amdahl replica count k with 1000*B/tau/((1-alpha)+alpha/k) = floor (>= 1)."""
-    if tau_ms <= budget_ms:
-        return 1.0
-    room = budget_ms / tau_ms - (1.0 - alpha)
-    if room <= 0.0:
-        return _UNREACHABLE_REPLICAS
-    return min(max(alpha / room, 1.0), _UNREACHABLE_REPLICAS)
+    """Fractional Amdahl replica count reaching the floor (budget_ms per batch), capped for features."""
+    return min(amdahl_replicas(tau_ms, alpha, budget_ms), _UNREACHABLE_REPLICAS)
 
 
 ProblemSource = Callable[[np.random.Generator], Problem]

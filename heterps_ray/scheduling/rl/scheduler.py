@@ -370,8 +370,12 @@ class RLScheduler(Scheduler):
             polished_cost=_json_cost(candidates.get("polished")),
             reference_cost=view.reference_cost,
         )
-        if best_throughput is not None:  # "infeasible" and its throughput: exact's own search, not enumeration
-            extra["infeasible_by"] = "exact.fastest_plan (the level search exact runs; ILP levels with runtime terms)"
+        if (
+            best_throughput is not None
+        ):  # "infeasible" and its throughput: exact's own search, not enumeration
+            extra["infeasible_by"] = (
+                "exact.fastest_plan (the level search exact runs; ILP levels with runtime terms)"
+            )
         return plan_from_counts(
             view.problem,
             view.model,
