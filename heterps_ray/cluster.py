@@ -83,7 +83,7 @@ def init_kwargs(
         "dashboard_host": dashboard_host,
         "log_to_driver": False,
         "configure_logging": False,
-        "_system_config": SYSTEM_CONFIG,
+        "_system_config": dict(SYSTEM_CONFIG),  # a copy: ray.init adds its spilling settings to the dict it is given
     }
 
 
