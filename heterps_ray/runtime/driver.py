@@ -235,7 +235,7 @@ def train(
         quiescent = True
         return summary
     except (FloorMissed, ResourcesChanged) as stop:
-        quiescent = getattr(stop, "between_chunks", True)
+        quiescent = not isinstance(stop, ResourcesChanged) or stop.between_chunks
         if loop is not None:  # how long this run took to start, for the closed loop's re-plan record
             stop.start = _start_timing(ready_s, loop.first_batch_s)
         raise

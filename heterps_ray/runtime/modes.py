@@ -21,6 +21,7 @@ A mode is plain data with methods (picklable): the same object travels to the ac
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import ray
@@ -30,7 +31,7 @@ from heterps_ray.runtime.faults import batch_accounting
 from heterps_ray.runtime.sparse import PerBatch, PerMicroBatch, SparseRows, SparseSchedule
 
 
-class Mode:
+class Mode(ABC):
     """What one training mode decides; see the module docstring."""
 
     name = ""
@@ -38,14 +39,16 @@ class Mode:
     moves_dense = False  # a checkpoint of another plan may keep a stage's weights elsewhere (worker/PS)
 
     def check_replicas(self, replicas: int, file: str | None, field: str) -> None:
-        """Refuse a stage replica count this mode cannot train (ConfigError)."""
+        """Refuse a stage replica count this mode cannot train (ConfigError); any count by default."""
+        return None
 
     def dense_home(self, replicas: int) -> str:
         """'local' (in the worker) or 'ps' (on a PS shard): where a stage's dense weights live."""
         return "local"
 
+    @abstractmethod
     def sparse_schedule(self, sparse: SparseRows, busy: Any, batches_ahead: int) -> SparseSchedule:
-        raise NotImplementedError
+        """When this mode pulls and pushes sparse rows (sparse.py)."""
 
     def settle_dense(self, workers: list[Any]) -> list[Any]:
         """Refs of the calls that bring the workers' dense weights to one version (before a snapshot,
@@ -56,10 +59,11 @@ class Mode:
         """Whether a checkpoint written by `saved_workers` DataWorkers resumes into `workers`."""
         return True
 
+    @abstractmethod
     def accounting(
         self, shards: list[Any], positions: dict[int, int], progress: dict[int, dict[str, int]]
     ) -> dict[str, Any]:
-        raise NotImplementedError
+        """The check that every batch was applied as this mode promises (faults.batch_accounting)."""
 
 
 class Sync(Mode):

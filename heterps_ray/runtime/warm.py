@@ -48,7 +48,7 @@ class _Pool:
         self._session: tuple[str, str] | None = None
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
-        self.reused = 0  # actors reconfigured instead of started (tests and the report read it)
+        self.reused = 0  # actors reconfigured instead of started (counts(): what the tests check)
         self.started = 0
 
     def spawn(self, cls: type, options: dict[str, Any], *args: Any) -> Any:
