@@ -98,12 +98,17 @@ def _release_warm_actors() -> None:
 
 def _user_error(exc: BaseException) -> HeterPSError | None:
     """The user error behind `exc`: itself, or the one an actor raised (Ray wraps it in a RayTaskError
-    whose `cause` it is, and whose text is a remote traceback)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, HeterPSError):
-        return cause
-    return exc if isinstance(exc, HeterPSError) else None
-
+    whose `cause` it is, and whose text is a remote traceback; a call that reached a second actor wraps
+    it twice)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, HeterPSError):
+            return current
+        cause = getattr(current, "cause", None)
+        current = cause if isinstance(cause, BaseException) else current.__cause__
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

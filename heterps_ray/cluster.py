@@ -4,7 +4,9 @@ One rule for every command (profile, train, run, plan with rl):
 1. a Ray already initialised in this process is used as it is;
 2. else `address` (``--address``), else ``$RAY_ADDRESS`` (set inside ``ray job submit``): connect;
 3. else start an embedded local Ray that declares each resource type of the cluster config as a
-   custom resource with ``max_instances`` units, so actors are admitted per type as on a real cluster.
+   custom resource with ``max_instances`` units, so actors are admitted per type as on a real cluster
+   (and the machine's GPUs; under the test flag ``HETERPS_CUDA_AS_CPU=1``, the GPUs the cuda types
+   ask for: heterps_ray.devices).
    ``address="local"`` keeps it from attaching to a ``ray start`` cluster on the same machine; the
    dashboard stays off (and binds to 127.0.0.1 when asked for), token authentication stays on, and the
    object store is bounded instead of taking 30% of RAM.
@@ -18,6 +20,7 @@ import os
 from typing import Any
 
 from heterps_ray.config import ClusterConfig
+from heterps_ray.devices import declared_gpus
 from heterps_ray.errors import ConfigError
 
 OBJECT_STORE_BYTES = 1 << 30  # embedded Ray: 1 GiB object store
@@ -78,6 +81,8 @@ def init_kwargs(
     return {
         "address": "local",
         "resources": cluster.local_resources() if cluster else None,
+        # None: Ray counts the machine's GPUs; HETERPS_CUDA_AS_CPU=1 (tests): what the cuda types ask
+        "num_gpus": declared_gpus(cluster) if cluster else None,
         "object_store_memory": OBJECT_STORE_BYTES,
         "include_dashboard": dashboard,
         "dashboard_host": dashboard_host,

@@ -44,7 +44,12 @@ class ResourceType(BaseModel):
         default_factory=lambda: {"CPU": 1.0},
         description="Ray resources one actor asks for, besides {name: 1} (e.g. {CPU: 1})",
     )
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(
+        0.0,
+        ge=0,
+        validate_default=True,
+        description="GPUs one actor asks Ray for; a cuda type must ask for some (Ray hides GPUs from none)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads inside the actor")
     bandwidth_gbps: float = Field(10.0, gt=0)
     io_bandwidth_gbps: float | None = Field(None, gt=0)
@@ -64,8 +69,17 @@ class ResourceType(BaseModel):
                 raise ValueError(f"resource amounts must be >= 0 (got {key}: {amount})")
         return v
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _cuda_asks_for_gpus(cls, v: float, info: ValidationInfo) -> float:
+        if info.data.get("device") == "cuda" and v <= 0:
+            raise ValueError("num_gpus > 0 for a type whose device is cuda (its actors must ask Ray for a GPU)")
+        return v
+
     def actor_options(self) -> dict[str, Any]:
         """The `ray.remote(...).options(**opts)` that pin an actor to this type."""
+        from heterps_ray.devices import actor_env
+
         resources = {k: v for k, v in self.ray_resources.items() if k not in ("CPU", "GPU")}
         resources[self.name] = 1.0
         return {
@@ -73,7 +87,7 @@ class ResourceType(BaseModel):
             "num_gpus": self.num_gpus,
             "resources": resources,
             # merged with the job's runtime_env by Ray (env_vars add up)
-            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}},
+            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.omp_wait_policy.upper(), **actor_env()}},
         }
 
 
@@ -236,6 +250,11 @@ class RuntimeConfig(BaseModel):
     checkpoint_keep: int = Field(2, ge=1, description="the newest checkpoints kept (older ones are removed)")
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
+    )
+    gpu_precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32",
+        description="stages on a GPU: fp32 (TF32 off, highest matmul precision: a sync run equals the CPU "
+        "reference), tf32 (TF32 matmuls, faster) or bf16 (TF32 and bf16 autocast forwards, fastest)",
     )
 
 

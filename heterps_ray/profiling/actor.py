@@ -1,9 +1,12 @@
 """The profiling actor: :class:`LayerProfiler`, one process pinned to one resource type that times
 what the profiler (profiler.py) asks of it there and returns plain numbers.
 
-It builds the model (and, at index ``num_layers``, the whole model as one stage) on ``cuda`` where
-the type is a GPU type and a GPU is visible, with the type's torch threads, and measures: every
-layer forward and backward (plus its Adam step) at a batch size; one layer repeated for a fixed
+It builds the model (and, at index ``num_layers``, the whole model as one stage) on the device its
+type claims (heterps_ray.devices: a ``cuda`` type without a GPU is a DeviceError, never the CPU), with
+the type's torch threads, and measures: every layer forward and backward (plus its Adam step) at a
+batch size, as a stage call pays them (the copies to and from the device and the syncs included, the
+copies also apart, and the peak GPU memory; a batch size that runs out of GPU memory is reported,
+not fatal); one layer repeated for a fixed
 time (the 1- vs 2-replica runs); messages of a size sent to a peer actor; a peer kept busy with
 calls; pull+push through a :class:`~heterps_ray.ps.shard.PSClient` and dense pushes to a real
 PS shard; a dataset's read rate; its machine's cores and background load, and the raylet's CPU per
@@ -24,20 +27,23 @@ import ray
 from heterps_ray.models import build_model
 
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
+PEER_TIMEOUT_S = 300.0  # a call to a peer actor not answered by then fails the measurement (never hangs)
+_MB = float(1 << 20)
 
 
 class LayerProfiler:
     """Runs single layers of a model forward + backward; one per actor (the narrow actor API)."""
 
-    def __init__(self, model: dict[str, Any], seed: int, torch_threads: int, device: str):
+    def __init__(self, model: dict[str, Any], seed: int, torch_threads: int, device: str, type_name: str):
         import torch
 
         from heterps_ray.config import ModelConfig
+        from heterps_ray.devices import claim_device, set_precision
 
         torch.set_num_threads(torch_threads)
         self._torch = torch
-        want_cuda = device == "cuda" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if want_cuda else "cpu")
+        self.device = claim_device(type_name, device)
+        set_precision(self.device, "fp32")
         self.spec = build_model(ModelConfig(**model))
         self.layers = [self.spec.build(i, i + 1, seed).to(self.device) for i in range(self.spec.num_layers)]
         # index len(layers): the whole model as one stage (one autograd pass, one optimizer step), as a
@@ -58,17 +64,23 @@ class LayerProfiler:
             "resources": ray.get_runtime_context().get_assigned_resources(),
         }
 
-    def time_layers(self, items: list[tuple[int, int]], warmup: int, seed: int) -> list[tuple[float, float]]:
-        """One timed (forward ms, backward + optimizer step ms) per (layer index, batch size) item
-        (index num_layers: the whole model as one stage), in a shuffled order (so a burst of noise
-        from elsewhere does not hit one item's repeats)."""
-        for index, batch_size in items:
+    def time_layers(
+        self, items: list[tuple[int, int]], warmup: int, seed: int
+    ) -> list[tuple[float, float, float, float | None] | None]:
+        """One timed (forward ms, backward + optimizer step ms, of which copies ms, peak GPU MB or None
+        on the CPU) per (layer index, batch size) item (index num_layers: the whole model as one
+        stage), in a shuffled order (so a burst of noise from elsewhere does not hit one item's
+        repeats); None for an item that ran out of GPU memory."""
+        out: list[tuple[float, float, float, float | None] | None] = [None] * len(items)
+        failed = set()
+        for i, (index, batch_size) in enumerate(items):
             for _ in range(warmup):
-                self._step(index, batch_size)
-        order = np.random.default_rng(seed).permutation(len(items))
-        out: list[tuple[float, float]] = [(0.0, 0.0)] * len(items)
-        for i in order:
-            out[i] = self._step(*items[i])
+                if self._fits(index, batch_size) is None:
+                    failed.add(i)
+                    break
+        for i in np.random.default_rng(seed).permutation(len(items)):
+            if i not in failed:
+                out[i] = self._fits(*items[i])
         return out
 
     def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
@@ -110,10 +122,10 @@ class LayerProfiler:
         if raylet is None or "raylet" not in raylet.name():
             return 0.0, math.nan
         payload = np.ones(_CALL_PAYLOAD_BYTES // 4, dtype=np.float32)
-        ray.get(peer.receive.remote(payload))
+        ray.get(peer.receive.remote(payload), timeout=PEER_TIMEOUT_S)
         before, t0 = sum(raylet.cpu_times()[:2]), time.perf_counter()
         for _ in range(calls):
-            ray.get(peer.receive.remote(payload))
+            ray.get(peer.receive.remote(payload), timeout=PEER_TIMEOUT_S)
         window = (time.perf_counter() - t0) * 1000.0
         return window, (sum(raylet.cpu_times()[:2]) - before) * 1000.0
 
@@ -121,11 +133,11 @@ class LayerProfiler:
         """Send `nbytes` to actor `peer` `repeats` times (after one warm-up); ms per message,
         measured here from the call until the peer has received it."""
         payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-        ray.get(peer.receive.remote(payload))
+        ray.get(peer.receive.remote(payload), timeout=PEER_TIMEOUT_S)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            ray.get(peer.receive.remote(payload))
+            ray.get(peer.receive.remote(payload), timeout=PEER_TIMEOUT_S)
             times.append((time.perf_counter() - start) * 1000.0)
         return times
 
@@ -137,14 +149,14 @@ class LayerProfiler:
         is never idle: its own work per call received (Ray deserialising the argument, running the
         task, storing an as large result), as a StageWorker's calls cost it besides its layers."""
         payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-        ray.get(peer.echo.remote(payload))
+        ray.get(peer.echo.remote(payload), timeout=PEER_TIMEOUT_S)
         pending: deque[Any] = deque()
         start = time.perf_counter()
         for _ in range(calls):
             if len(pending) >= window:
-                ray.get(pending.popleft())
+                ray.get(pending.popleft(), timeout=PEER_TIMEOUT_S)
             pending.append(peer.echo.remote(payload))
-        ray.get(list(pending))
+        ray.get(list(pending), timeout=PEER_TIMEOUT_S)
         return (time.perf_counter() - start) * 1000.0
 
     def echo(self, payload: np.ndarray) -> np.ndarray:
@@ -167,7 +179,7 @@ class LayerProfiler:
             t1 = time.perf_counter()
             refs = client.push("embedding", keys, grads)
             t2 = time.perf_counter()
-            ray.get(refs)
+            ray.get(refs, timeout=PEER_TIMEOUT_S)
             t3 = time.perf_counter()
             pull_ms += (t1 - t0) * 1000.0
             push_ms += (t3 - t1) * 1000.0
@@ -178,12 +190,13 @@ class LayerProfiler:
         """ms for `calls` async-mode dense pushes (Adam on the PS) of a table of `params` floats."""
         grads = {"w": np.full(params, 1e-3, dtype=np.float32)}
         ray.get(
-            shard.register_dense.remote("profile", {"w": np.zeros(params, dtype=np.float32)}, "adam", 1e-3)
+            shard.register_dense.remote("profile", {"w": np.zeros(params, dtype=np.float32)}, "adam", 1e-3),
+            timeout=PEER_TIMEOUT_S,
         )
-        ray.get(shard.push_dense.remote("profile", grads))
+        ray.get(shard.push_dense.remote("profile", grads), timeout=PEER_TIMEOUT_S)
         start = time.perf_counter()
         for _ in range(calls):
-            ray.get(shard.push_dense.remote("profile", grads))
+            ray.get(shard.push_dense.remote("profile", grads), timeout=PEER_TIMEOUT_S)
         return (time.perf_counter() - start) * 1000.0
 
     def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float, float]:
@@ -206,31 +219,63 @@ class LayerProfiler:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _step(self, index: int, batch_size: int) -> tuple[float, float]:
+    def _fits(self, index: int, batch_size: int) -> tuple[float, float, float, float | None] | None:
+        """:meth:`_step`, or None when it runs out of GPU memory (the memory it took is given back)."""
         torch = self._torch
-        inputs = self._layer_inputs(batch_size)[0 if index == self.spec.num_layers else index]
-        for x in inputs:
-            x.grad = None
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        try:
+            return self._step(index, batch_size)
+        except torch.cuda.OutOfMemoryError:
+            self._grads.pop((index, batch_size), None)
+            torch.cuda.empty_cache()
+            return None
+
+    def _step(self, index: int, batch_size: int) -> tuple[float, float, float, float | None]:
+        """(forward ms, backward ms, copies ms, peak GPU MB) of one stage call of layer `index`, as a
+        StageWorker pays it: forward = the inputs copied to the device, the layer, its outputs copied
+        back (the wire is host memory); backward = the gradients copied in, backward and optimizer
+        step, the input gradients copied back; each part ends in a device sync. On the CPU the copies
+        are no-ops and the peak is None."""
+        torch = self._torch
+        cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        host = self._layer_inputs(batch_size)[0 if index == self.spec.num_layers else index]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         sync()
         t0 = time.perf_counter()
-        out = self.layers[index](inputs)
+        inputs = tuple(_leaf(x.to(self.device)) for x in host)
         sync()
         t1 = time.perf_counter()
+        out = self.layers[index](inputs)
+        sync()
+        t2 = time.perf_counter()
+        for o in out:
+            o.detach().to("cpu")
+        t3 = time.perf_counter()
         key = (index, batch_size)
         if key not in self._grads:
-            self._grads[key] = tuple(torch.randn_like(o) for o in out)
-        torch.autograd.backward(out, self._grads[key])
+            self._grads[key] = tuple(torch.randn(o.shape, dtype=o.dtype) for o in out)
+        grads = tuple(g.to(self.device) for g in self._grads[key])
+        sync()
+        t4 = time.perf_counter()
+        torch.autograd.backward(out, grads)
         optimizer = self.optimizers[index]
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         sync()
-        t2 = time.perf_counter()
-        return (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
+        t5 = time.perf_counter()
+        for x in inputs:
+            if x.grad is not None:
+                x.grad.to("cpu")
+        t6 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(self.device) / _MB if cuda else None
+        copies = (t1 - t0) + (t3 - t2) + (t4 - t3) + (t6 - t5)
+        return (t3 - t0) * 1000.0, (t6 - t3) * 1000.0, copies * 1000.0, peak
 
     def _layer_inputs(self, batch_size: int) -> list[tuple[Any, ...]]:
-        """The input of every layer at `batch_size`: random model inputs run through the chain once."""
+        """The input of every layer at `batch_size`, in host memory (as they arrive on the wire):
+        random model inputs run through the chain once."""
         if batch_size not in self._inputs:
             torch = self._torch
             gen = torch.Generator().manual_seed(batch_size)
@@ -242,16 +287,15 @@ class LayerProfiler:
             inputs = []
             with torch.no_grad():
                 for layer in self.layers[: spec.num_layers]:
-                    x = tuple(t.to(self.device) for t in x)
-                    inputs.append(tuple(_leaf(t) for t in x))
-                    x = layer(x)
+                    inputs.append(tuple(t.detach().to("cpu") for t in x))
+                    x = layer(tuple(t.to(self.device) for t in x))
             self._inputs[batch_size] = inputs
         return self._inputs[batch_size]
 
 
 def _leaf(t: Any) -> Any:
-    """A detached copy that collects a gradient (float tensors only)."""
-    leaf = t.detach().clone()
+    """`t` detached (sharing its memory), collecting a gradient of its own (float tensors only)."""
+    leaf = t.detach()
     if leaf.is_floating_point():
         leaf.requires_grad_(True)
     return leaf

@@ -2,7 +2,8 @@
 
 One pair of actors (:class:`~heterps_ray.profiling.actor.LayerProfiler`) per resource type present
 in the cluster (pinned by the type's Ray resources, torch threads set, ``cuda`` where the type is a
-GPU type and a GPU is visible) runs every layer forward and backward (plus its Adam step) at several
+GPU type: a DeviceError where its actor finds no GPU; one actor where the cluster's GPUs do not hold
+two, refused before any wait where they hold none) runs every layer forward and backward (plus its Adam step) at several
 batch sizes, with warm-up and repeats; the same layer on one actor and on both at once gives the
 parallel fraction; messages of several sizes between actors give each type's bandwidth and latency;
 a real :class:`~heterps_ray.ps.shard.PSShard` gives the PS service rate. This module starts the
@@ -32,7 +33,8 @@ import ray
 
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.data.layout import is_dataset
-from heterps_ray.errors import ConfigError
+from heterps_ray.devices import unwrap
+from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.actor import LayerProfiler
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
@@ -72,6 +74,10 @@ class ProfileSettings:
     problem gets no call terms and uncalibrated layer times)"""
     seed: int = 0
     progress: bool = True
+    start_timeout_s: float = 120.0
+    """the actors not placed by then: a ConfigError naming the types and what the cluster has"""
+    call_timeout_s: float = 900.0
+    """one measurement call not answered by then: a ProfileTimeout naming it (never a hang)"""
 
     @classmethod
     def quick(cls, **overrides: Any) -> ProfileSettings:
@@ -118,6 +124,20 @@ class _Row:
     backward_ms: float = math.nan
     ms: float = math.nan
     client_ms: float = math.nan
+    copy_ms: float = math.nan
+    peak_mb: float = math.nan
+
+
+# Beside the fit's COLUMNS in the raw measurements: of a layer's ms, the host<->device copies; its
+# peak GPU memory (NaN on the CPU). A row of kind "oom": that (layer, batch size) ran out of GPU memory.
+GPU_COLUMNS = ("copy_ms", "peak_mb")
+
+
+class ProfileTimeout(HeterPSError):
+    """A profiling actor did not answer a call in time (ProfileSettings.call_timeout_s)."""
+
+    category = "timeout"
+    exit_code = 1
 
 
 @dataclass
@@ -185,6 +205,9 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
     if result.flags:
         notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
     result.problem["notes"] = "\n".join(notes)
+    measured = {a["type"]: str(a["device"]).split(":")[0] for run in runs for a in run.actors}
+    for resource in result.problem["resources"]:  # what the actors computed on, not what was configured
+        resource["device"] = measured.get(resource["name"], resource.get("device"))
     for run in runs:
         for part, took in run.seconds.items():
             result.seconds[part] = result.seconds.get(part, 0.0) + took
@@ -228,21 +251,26 @@ def measure(
             f"at least one type declared as a Ray resource on the cluster (cluster has {sorted(available)})",
             [t.name for t in job.cluster.resource_types],
         )
+    counts = actor_counts(present, ray.nodes())
     actor_cls = ray.remote(LayerProfiler)
     model = {"name": job.model.name, **job.model.params}
     actors: dict[str, list[Any]] = {}
     for rtype in present:
-        count = 2 if rtype.max_instances >= 2 and available.get(rtype.name, 0) >= 2 else 1
         actors[rtype.name] = [
             actor_cls.options(**rtype.actor_options()).remote(
-                model, settings.seed, rtype.torch_threads, rtype.device
+                model, settings.seed, rtype.torch_threads, rtype.device, rtype.name
             )
-            for _ in range(count)
+            for _ in range(counts[rtype.name])
         ]
     described = []
-    for name, group in actors.items():
-        for info in ray.get([a.describe.remote() for a in group]):
-            described.append({"type": name, **info})
+    try:
+        for name, group in actors.items():
+            infos = _placed(group, name, job, settings.start_timeout_s)
+            described += [{"type": name, **info} for info in infos]
+    except BaseException:
+        _kill(actors)
+        raise
+    wait = _Waiter(settings.call_timeout_s)
 
     rows: list[_Row] = []
     notes: list[str] = []
@@ -256,31 +284,29 @@ def measure(
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
     try:
-        rows += _host_runs(present, actors, settings, calls=False)  # background: before and at the end
+        rows += _host_runs(present, actors, settings, wait, calls=False)  # background: before and at the end
         for rtype in present:
-            rows += _layer_rounds(actors[rtype.name], rtype, spec, settings, bar)
+            rows += _layer_rounds(actors[rtype.name], rtype, spec, settings, bar, wait, notes)
             for index, layer in enumerate(spec.layers):
                 bar.set_postfix_str(f"{rtype.name} {layer.name} 1 vs 2 replicas")
-                rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings)
+                rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings, wait)
                 bar.update()
-        rows += _transfer_runs(present, actors, settings, bar, notes)
+        rows += _transfer_runs(present, actors, settings, bar, notes, wait)
         bar.set_postfix_str("actors' own work per call")
-        rows += _call_runs(present, actors, settings, notes)
+        rows += _call_runs(present, actors, settings, notes, wait)
         bar.update()
         bar.set_postfix_str("PS shard")
-        rows += _ps_runs(job, spec, present, actors, settings)
+        rows += _ps_runs(job, spec, present, actors, settings, wait)
         bar.update()
         bar.set_postfix_str("input read rate")
-        rows += _input_runs(job, present, actors, settings)
+        rows += _input_runs(job, present, actors, settings, wait)
         bar.update()
         bar.set_postfix_str("machines and their background load")
-        rows += _host_runs(present, actors, settings)
+        rows += _host_runs(present, actors, settings, wait)
         bar.update()
     finally:
         bar.close()
-        for group in actors.values():
-            for actor in group:
-                ray.kill(actor)
+        _kill(actors)
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the actors are gone: slots free
         started = time.perf_counter()
@@ -292,8 +318,95 @@ def measure(
     notes.append(
         f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)"
     )
-    frame = pd.DataFrame([r.__dict__ for r in rows], columns=list(COLUMNS))
+    scarce = [t.name for t in present if counts[t.name] < 2 <= t.max_instances and t.num_gpus > 0]
+    if scarce:
+        notes.append(f"one actor of {scarce}: the cluster's GPUs do not hold two (no 1 vs 2 replica runs)")
+    frame = pd.DataFrame([r.__dict__ for r in rows], columns=[*COLUMNS, *GPU_COLUMNS])
     return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes, seconds=seconds)
+
+
+def actor_counts(present: list[ResourceType], nodes: list[dict[str, Any]]) -> dict[str, int]:
+    """Profiling actors per type: two where the alive nodes hold them, else one (the GPUs of the
+    cluster decide for GPU types: one actor each first, then the seconds). A type whose first actor
+    fits nowhere (a GPU type in a cluster without GPUs for it) is a ConfigError now, not a wait."""
+    free = [dict(n.get("Resources", {})) for n in nodes if n.get("Alive", True)]
+
+    def place(rtype: ResourceType) -> bool:
+        gpus = rtype.num_gpus
+        for res in free:
+            if res.get(rtype.name, 0) >= 1 and res.get("GPU", 0) + 1e-9 >= gpus:
+                res[rtype.name] -= 1
+                res["GPU"] = res.get("GPU", 0) - gpus
+                return True
+        return False
+
+    counts = {}
+    for rtype in present:
+        if not place(rtype):
+            gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in nodes if n.get("Alive", True))
+            raise ConfigError(
+                None,
+                f"cluster.resource_types.{rtype.name}.num_gpus",
+                f"GPUs in the Ray cluster for one {rtype.name!r} actor (it asks for {rtype.num_gpus:g}; the "
+                f"cluster's nodes with {rtype.name!r} have not that many free, {gpus:g} GPUs in all): "
+                "start the cluster with its GPUs, or profile without this type",
+            )
+        counts[rtype.name] = 1
+    for rtype in present:
+        if rtype.max_instances >= 2 and place(rtype):
+            counts[rtype.name] = 2
+    return counts
+
+
+def _placed(group: list[Any], name: str, job: JobConfig, timeout_s: float) -> list[dict[str, Any]]:
+    """The actors' descriptions once placed: a DeviceError raised in one comes out as itself, and
+    actors not placed in `timeout_s` are a ConfigError naming the type and what the cluster has."""
+    try:
+        return list(ray.get([a.describe.remote() for a in group], timeout=timeout_s))
+    except ray.exceptions.GetTimeoutError:
+        rtype = job.cluster.type(name)
+        raise ConfigError(
+            None,
+            "cluster.resource_types",
+            f"{len(group)} profiling actor(s) of {name!r} placed within {timeout_s:.0f} s (each asks "
+            f"for {rtype.actor_options()['num_cpus']:g} CPU, {rtype.num_gpus:g} GPU and 1 {name!r}; "
+            f"the cluster has {ray.available_resources()} free)",
+        ) from None
+    except ray.exceptions.RayError as exc:
+        raise _user_error(exc) from None
+
+
+class _Waiter:
+    """``ray.get`` on the profiling actors' calls with a deadline: a call not answered in time is a
+    ProfileTimeout naming it; a user error raised in an actor comes out as itself."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def __call__(self, refs: Any, what: str) -> Any:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ProfileTimeout(
+                f"profiling: {what} did not answer within {self.timeout_s:.0f} s (an actor stuck or its "
+                "node gone); ProfileSettings.call_timeout_s sets the limit"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise _user_error(exc) from None
+
+
+def _user_error(exc: BaseException) -> BaseException:
+    found = unwrap(exc)
+    if found is not exc:
+        return found
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, HeterPSError) else exc
+
+
+def _kill(actors: dict[str, list[Any]]) -> None:
+    for group in actors.values():
+        for actor in group:
+            ray.kill(actor)
 
 
 def _probe_runs(
@@ -344,27 +457,51 @@ def _probe_label(layers: list[str], caller: str, callee: str, split: int, steps:
 
 
 def _layer_rounds(
-    group: list[Any], rtype: ResourceType, spec: ModelSpec, settings: ProfileSettings, bar: Any
+    group: list[Any],
+    rtype: ResourceType,
+    spec: ModelSpec,
+    settings: ProfileSettings,
+    bar: Any,
+    wait: _Waiter,
+    notes: list[str],
 ) -> list[_Row]:
-    """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor."""
+    """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor; an item
+    that ran out of GPU memory is left out of later rounds, with an "oom" row and a note."""
     items = [(i, b) for i in range(spec.num_layers + 1) for b in settings.batch_sizes]  # + the whole model
     rows = []
     for rep in range(settings.repeats):
         bar.set_postfix_str(f"{rtype.name} layers, round {rep + 1}/{settings.repeats}")
         warmup = settings.warmup if rep == 0 else 0
-        timed = ray.get(group[0].time_layers.remote(items, warmup, settings.seed + rep))
-        for (index, batch_size), (fwd, bwd) in zip(items, timed, strict=True):
+        timed = wait(group[0].time_layers.remote(items, warmup, settings.seed + rep), f"{rtype.name} layers")
+        kept = []
+        for (index, batch_size), result in zip(items, timed, strict=True):
             whole = index == spec.num_layers
+            layer = "" if whole else spec.layers[index].name
+            if result is None:
+                rows.append(_Row("oom", rtype.name, layer=layer, batch_size=batch_size, repeat=rep))
+                notes.append(
+                    f"{rtype.name}: {layer or 'the whole model'} at batch size {batch_size} ran out of GPU "
+                    "memory: not timed"
+                )
+                continue
+            kept.append((index, batch_size))
+            fwd, bwd, copies, peak = result
             rows.append(
-                _Row("stage" if whole else "layer", rtype.name, layer="" if whole else spec.layers[index].name,
-                     batch_size=batch_size, repeat=rep, forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd)
+                _Row("stage" if whole else "layer", rtype.name, layer=layer, batch_size=batch_size, repeat=rep,
+                     forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd, copy_ms=copies,
+                     peak_mb=math.nan if peak is None else peak)
             )  # fmt: skip
+        items = kept
         bar.update()
     return rows
 
 
 def _host_runs(
-    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings, calls: bool = True
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+    wait: _Waiter,
+    calls: bool = True,
 ) -> list[_Row]:
     """Per type: the machine its first actor runs on (Ray node id in `peer`, cores in `rows`) and
     the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`);
@@ -372,10 +509,10 @@ def _host_runs(
     out = []
     for rtype in present:
         group = actors[rtype.name]
-        node, cores, ms, others = ray.get(group[0].host_load.remote(settings.host_window_s))
+        node, cores, ms, others = wait(group[0].host_load.remote(settings.host_window_s), f"{rtype.name} host load")
         out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
         if calls and len(group) > 1:
-            ms, others = ray.get(group[0].call_cpu.remote(group[-1], settings.host_calls))
+            ms, others = wait(group[0].call_cpu.remote(group[-1], settings.host_calls), f"{rtype.name} calls")
             out.append(
                 _Row("call_cpu", rtype.name, peer=node, calls=settings.host_calls, ms=ms, client_ms=others)
             )
@@ -388,6 +525,7 @@ def _transfer_runs(
     settings: ProfileSettings,
     bar: Any,
     notes: list[str],
+    wait: _Waiter,
 ) -> list[_Row]:
     """Messages of each size from the first actor of every type to an actor of every type (its
     second actor for the same type); a message is timed by its sender until the receiver has it."""
@@ -405,7 +543,7 @@ def _transfer_runs(
                 continue
             for nbytes in settings.transfer_bytes:
                 bar.set_postfix_str(f"{sender.name}->{receiver.name} {nbytes / _BYTES_PER_MB:.2f} MB")
-                for rep, ms in enumerate(ray.get(src.send.remote(dst, nbytes, settings.repeats))):
+                for rep, ms in enumerate(wait(src.send.remote(dst, nbytes, settings.repeats), f"{sender.name}->{receiver.name} messages")):
                     rows.append(
                         _Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
                     )
@@ -414,7 +552,11 @@ def _transfer_runs(
 
 
 def _call_runs(
-    present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings, notes: list[str]
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+    notes: list[str],
+    wait: _Waiter,
 ) -> list[_Row]:
     """Per type: its first actor kept busy with calls from another actor (its second, else one of
     another type), at each message size; a row per size with `calls` in `ms`."""
@@ -427,25 +569,30 @@ def _call_runs(
             notes.append(f"a single actor: {rtype.name}'s own work per call not measured")
             continue
         for nbytes in settings.transfer_bytes:
-            ms = ray.get(caller.call_rate.remote(callee, nbytes, settings.call_count))
+            ms = wait(caller.call_rate.remote(callee, nbytes, settings.call_count), f"{rtype.name} call rate")
             rows.append(_Row("call", rtype.name, nbytes=nbytes, calls=settings.call_count, ms=ms))
     return rows
 
 
 def _pair_runs(
-    group: list[Any], rtype: ResourceType, index: int, layer: str, batch_size: int, settings: ProfileSettings
+    group: list[Any],
+    rtype: ResourceType,
+    index: int,
+    layer: str,
+    batch_size: int,
+    settings: ProfileSettings,
+    wait: _Waiter,
 ) -> list[_Row]:
     """The same layer for a fixed time on one actor, then on two actors at once: one row per actor
     with its calls and ms (the fit compares the summed call rates)."""
     if len(group) < 2:
         return []
-    ray.get([a.run_layer.remote(index, batch_size, 0.0) for a in group])  # warm both
+    what = f"{rtype.name} {layer} replicas"
+    wait([a.run_layer.remote(index, batch_size, 0.0) for a in group], what)  # warm both
     out = []
     for rep in range(settings.pair_repeats):
         for replicas in (1, 2):
-            results = ray.get(
-                [a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]]
-            )
+            results = wait([a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]], what)
             for calls, ms in results:
                 out.append(
                     _Row("layer_pair", rtype.name, layer=layer, batch_size=batch_size, replicas=replicas,
@@ -460,6 +607,7 @@ def _ps_runs(
     present: list[ResourceType],
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
+    wait: _Waiter,
 ) -> list[_Row]:
     """Rows/s of pull+push through one real PS shard on the PS type, from a first-stage actor."""
     from heterps_ray.ps.shard import TableSpec, start_shards
@@ -467,7 +615,9 @@ def _ps_runs(
     names = [t.name for t in present]
     ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
     ps_type = job.cluster.type(ps_name)
-    shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, ps_type.actor_options())
+    # a shard computes nothing on a GPU: asking for none, it cannot wait for the profiling actors' GPUs
+    options = {**ps_type.actor_options(), "num_gpus": 0}
+    shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, options)
     micro_batch = job.batch_size // job.runtime.micro_batches
     batches = _key_batches(
         job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
@@ -476,16 +626,15 @@ def _ps_runs(
     out = []
     dense_params = max(spec.dense_params, 1)
     try:
-        ray.get(
-            client.ps_round_trips.remote(shards, batches[: settings.ps_calls], spec.embedding_dim)
-        )  # warm-up
+        warm = client.ps_round_trips.remote(shards, batches[: settings.ps_calls], spec.embedding_dim)
+        wait(warm, "PS round trips (warm-up)")
         for rep in range(settings.ps_repeats):
             calls = batches[(rep + 1) * settings.ps_calls : (rep + 2) * settings.ps_calls]
-            pull, push, own = ray.get(client.ps_round_trips.remote(shards, calls, spec.embedding_dim))
+            pull, push, own = wait(client.ps_round_trips.remote(shards, calls, spec.embedding_dim), "PS round trips")
             out.append(_Row("ps", ps_name, rows=micro_batch * spec.num_slots, calls=len(calls), repeat=rep,
                             forward_ms=pull, backward_ms=push, ms=pull + push, client_ms=own,
                             batch_size=micro_batch))  # fmt: skip
-            ms = ray.get(client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls))
+            ms = wait(client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls), "PS dense pushes")
             out.append(
                 _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
             )
@@ -496,7 +645,11 @@ def _ps_runs(
 
 
 def _input_runs(
-    job: JobConfig, present: list[ResourceType], actors: dict[str, list[Any]], settings: ProfileSettings
+    job: JobConfig,
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+    wait: _Waiter,
 ) -> list[_Row]:
     """Read rate of the job's dataset on each type (a small synthetic one when it has none yet)."""
     import tempfile
@@ -516,8 +669,9 @@ def _input_runs(
         out = []
         for rtype in present:
             for rep in range(settings.ps_repeats):
-                done, ms, setup = ray.get(
-                    actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows)
+                done, ms, setup = wait(
+                    actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows),
+                    f"{rtype.name} input read",
                 )
                 out.append(_Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms,
                                 client_ms=setup))  # fmt: skip

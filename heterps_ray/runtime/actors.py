@@ -89,6 +89,7 @@ class ActorSet:
             torch_threads=rtype.torch_threads,
             type_name=rtype.name,
             max_staleness=self.job.runtime.max_staleness,
+            gpu_precision=self.job.runtime.gpu_precision,
         )
 
     def replace_shard(self, index: int) -> Any:

@@ -27,6 +27,7 @@ from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.data.dataset import prepare_dataset
+from heterps_ray.devices import cluster_gpus
 from heterps_ray.errors import ConfigError, DataError, StorageError
 from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker
 from heterps_ray.models import build_model
@@ -42,7 +43,7 @@ from heterps_ray.runtime.checkpoint import (
 from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.finish import accounting, evaluate, save_model
 from heterps_ray.runtime.loop import ChunkLoop, FloorMissed, LiveActors, LoopSettings, steady_rate
-from heterps_ray.runtime.pipeline import StageSpec, check_capacity, resolve_stages
+from heterps_ray.runtime.pipeline import StageSpec, check_capacity, check_gpus, resolve_stages
 from heterps_ray.runtime.recovery import Recovery
 from heterps_ray.runtime.snapshots import CheckpointSaver, StateStore, resume_point
 
@@ -145,6 +146,8 @@ def train(
     loop: ChunkLoop | None = None
     ready_s = 0.0
     try:
+        if not job.cluster.autoscale.enabled:  # an autoscaler adds GPU nodes when asked
+            check_gpus(stages, 0 if actors.hosted else num_shards, job.cluster, cluster_gpus(), plan_file)
         placement = actors.start()
         if start:
             store.restore(start["directory"], remap=start["plan_changed"])
@@ -183,7 +186,7 @@ def train(
             mode=job.mode,
             model=model.name,
             plan=plan_dict,
-            stages=history["stages"],
+            stages=_with_devices(history["stages"], placement),
             ps_shards=num_shards,
             steps=history["steps"],
             samples=history["samples"],
@@ -254,6 +257,16 @@ def _start_timing(ready_s: float, first_batch_s: float | None) -> dict[str, floa
         "ready_s": round(ready_s, 3),
         "first_batch_s": None if first_batch_s is None else round(ready_s + first_batch_s, 3),
     }
+
+
+def _with_devices(stages: list[dict[str, Any]], placement: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each stage with the devices its actors really computed on (from their placement reports), not
+    the one its type is configured with."""
+    seen: dict[int, set[str]] = {}
+    for actor in placement:
+        if "stage" in actor and "device" in actor:
+            seen.setdefault(int(actor["stage"]), set()).add(str(actor["device"]))
+    return [{**s, "device": ", ".join(sorted(seen.get(int(s["index"]), set()))) or None} for s in stages]
 
 
 def _check_plan_types(stages: list[StageSpec], job: JobConfig, plan_file: str | None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.costmodel.plan import Plan
+from heterps_ray.devices import gpu_shortfall
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec
 from heterps_ray.runtime.modes import mode_of
@@ -115,10 +116,7 @@ def check_capacity(
     stages: list[StageSpec], ps_shards: int, cluster: ClusterConfig, file: str | None = None
 ) -> None:
     """Replicas of all stages of a type, plus PS shards on it, must fit its max_instances."""
-    demand: dict[str, int] = {}
-    for stage in stages:
-        demand[stage.type] = demand.get(stage.type, 0) + stage.replicas
-    demand[cluster.ps_resource] = demand.get(cluster.ps_resource, 0) + ps_shards
+    demand = type_demand(stages, ps_shards, cluster)
     for name, count in demand.items():
         limit = cluster.type(name).max_instances
         if count > limit:
@@ -130,16 +128,30 @@ def check_capacity(
             )
 
 
+def check_gpus(
+    stages: list[StageSpec], ps_shards: int, cluster: ClusterConfig, have: float, file: str | None = None
+) -> None:
+    """The GPUs the plan's actors ask for (stage replicas, plus `ps_shards` shard actors on the PS
+    type) must fit the `have` GPUs of the Ray cluster: else they would wait for placement until the
+    ready timeout."""
+    short = gpu_shortfall(type_demand(stages, ps_shards, cluster), cluster, have)
+    if short:
+        raise ConfigError(file, "stages", f"a plan whose GPUs the Ray cluster has ({short})")
+
+
+def type_demand(stages: list[StageSpec], ps_shards: int, cluster: ClusterConfig) -> dict[str, int]:
+    """Actors per resource type: stage replicas, plus `ps_shards` on the PS type."""
+    demand: dict[str, int] = {}
+    for stage in stages:
+        demand[stage.type] = demand.get(stage.type, 0) + stage.replicas
+    if ps_shards:
+        demand[cluster.ps_resource] = demand.get(cluster.ps_resource, 0) + ps_shards
+    return demand
+
+
 def route(counter: int, worker: int, replicas: list[int]) -> list[int]:
     """Replica of each stage for a data worker's `counter`-th micro-batch (deterministic round robin)."""
     return [(counter + worker) % k for k in replicas]
-
-
-def pick_device(kind: str) -> torch.device:
-    """`cuda` for a GPU resource type when a GPU is visible, else the CPU."""
-    if kind == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def to_wire(tensors: tuple[torch.Tensor | None, ...] | list[torch.Tensor | None]) -> Wire:

@@ -32,9 +32,10 @@ import torch
 from torch.func import functional_call
 
 from heterps_ray.config import OptimizerConfig
+from heterps_ray.devices import autocast, claim_device, set_precision
 from heterps_ray.models import ModelSpec
 from heterps_ray.runtime.modes import Mode
-from heterps_ray.runtime.pipeline import StageSpec, Wire, pick_device
+from heterps_ray.runtime.pipeline import StageSpec, Wire
 
 
 def dense_table_name(stage_index: int) -> str:
@@ -56,9 +57,11 @@ def make_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) ->
     """The dense optimizer of the reference trainer (Adam or SGD at dense_lr); None without params."""
     if not params:
         return None
+    # foreach=False: the single-tensor loop the CPU takes by default, also on CUDA (whose default, the
+    # multi-tensor kernel, rounds otherwise), so a GPU stage steps as the CPU reference does
     if config.dense == "adam":
-        return torch.optim.Adam(params, lr=config.dense_lr)
-    return torch.optim.SGD(params, lr=config.dense_lr)
+        return torch.optim.Adam(params, lr=config.dense_lr, foreach=False)
+    return torch.optim.SGD(params, lr=config.dense_lr, foreach=False)
 
 
 class DenseReplica:
@@ -153,8 +156,12 @@ class StageCompute:
         device: str,
         max_staleness: int = 0,
         dense_ps: Any = None,
+        precision: str = "fp32",
     ):
-        self.device = pick_device(device)
+        # a cuda type's stage runs on a GPU or fails here, naming its type and node (DeviceError)
+        self.device = claim_device(stage.type, device)
+        self.precision = precision
+        set_precision(self.device, precision)
         self.module = model.build(stage.start, stage.end, seed).to(self.device)
         self.names = canonical_names(self.module, model)
         self.home = mode.dense_home(stage.replicas)
@@ -185,10 +192,15 @@ class StageCompute:
         """Forward with autograd; the stash holds what the backward needs. `backward_next`: the
         backward follows at once (no other forward can come between, so no weight snapshot)."""
         self.settle()
-        if not self.stash_weights or backward_next:
-            return Stash(inputs, self.module(inputs), None)
-        weights = {k: p.detach().clone().requires_grad_(True) for k, p in self.module.named_parameters()}
-        return Stash(inputs, functional_call(self.module, weights, (inputs,)), weights)
+        with self.autocast():
+            if not self.stash_weights or backward_next:
+                return Stash(inputs, self.module(inputs), None)
+            weights = {k: p.detach().clone().requires_grad_(True) for k, p in self.module.named_parameters()}
+            return Stash(inputs, functional_call(self.module, weights, (inputs,)), weights)
+
+    def autocast(self) -> Any:
+        """The forward's autocast (bf16 on a GPU under ``runtime.gpu_precision: bf16``, else none)."""
+        return autocast(self.device, self.precision)
 
     def backward(self, stash: Stash, grads: Wire | None = None, loss: torch.Tensor | None = None) -> None:
         """Backward of one forward, from `loss` or from the gradients of its outputs (None entries:

@@ -32,6 +32,7 @@ class WorkerSettings:
     torch_threads: int
     type_name: str
     max_staleness: int = 0
+    gpu_precision: str = "fp32"  # runtime.gpu_precision: fp32 | tf32 | bf16 (heterps_ray.devices)
 
 
 def stage_compute(
@@ -47,6 +48,7 @@ def stage_compute(
         settings.device,
         settings.max_staleness,
         dense_ps,
+        settings.gpu_precision,
     )
 
 
