@@ -99,9 +99,11 @@ def _release_warm_actors() -> None:
 def _user_error(exc: BaseException) -> HeterPSError | None:
     """The user error behind `exc`: itself, or the one an actor raised (Ray wraps it in a RayTaskError
     whose `cause` it is, and whose text is a remote traceback; a call that reached a second actor wraps
-    it twice)."""
+    it twice; a GPU type's actor that found no GPU in its constructor arrives as an ActorDiedError)."""
+    from heterps_ray.devices import unwrap
+
     seen: set[int] = set()
-    current: BaseException | None = exc
+    current: BaseException | None = unwrap(exc)
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, HeterPSError):

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -157,15 +158,27 @@ def autocast(device: torch.device, precision: str) -> Any:
     return contextlib.nullcontext()
 
 
+# How a DeviceError reads inside the text of the ActorDiedError that Ray raises at the first call of an
+# actor whose constructor raised it (Ray keeps the creation error's traceback text only, not the error).
+_IN_TEXT = re.compile(
+    r"DeviceError: resource type '(?P<type>[^']+)' \(device: cuda\) found no GPU on node "
+    r"(?P<node>.+?): saw (?P<saw>.+?)\. Install a CUDA build"
+)
+
+
 def unwrap(exc: BaseException) -> BaseException:
-    """The DeviceError behind a Ray error (a RayTaskError whose cause it is, as an actor's failed
-    constructor arrives at its first call), else `exc` itself."""
+    """The DeviceError behind a Ray error: the cause of a RayTaskError (a method raised it), or the one
+    an ActorDiedError's text reports (the actor's constructor raised it); else `exc` itself."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, DeviceError):
             return current
+        if type(current).__name__ == "ActorDiedError":
+            found = _IN_TEXT.search(str(current))
+            if found:
+                return DeviceError(found["type"], found["node"], found["saw"])
         cause = getattr(current, "cause", None)
         current = cause if isinstance(cause, BaseException) else current.__cause__
     return exc

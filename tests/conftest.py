@@ -30,7 +30,11 @@ def ray_local():
         # the Ray a user's embedded run gets (heterps_ray.cluster.init_kwargs: its object store, its
         # _system_config), on the machine's CPU count; address="local": always a fresh embedded
         # instance, even when a `ray start` cluster (e.g. the job-submission test's) runs here.
-        ray.init(**init_kwargs(cluster))
+        kwargs = init_kwargs(cluster)
+        # Two GPUs and a cuda type's resource that no CUDA device backs (tests/test_devices.py): Ray
+        # admits a `gpu_t4` actor, which must then fail loudly instead of computing on the CPU.
+        kwargs.update(num_gpus=2, resources={**kwargs["resources"], "gpu_t4": 2.0})
+        ray.init(**kwargs)
     yield ray
     ray.shutdown()
 
