@@ -106,10 +106,13 @@ def _user_error(exc: BaseException) -> HeterPSError | None:
     current: BaseException | None = unwrap(exc)
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, HeterPSError):
-            return current
         cause = getattr(current, "cause", None)
-        current = cause if isinstance(cause, BaseException) else current.__cause__
+        if isinstance(cause, BaseException):  # a RayTaskError: also an instance of its cause's type
+            current = cause
+        elif isinstance(current, HeterPSError):
+            return current
+        else:
+            current = current.__cause__
     return None
 
 if __name__ == "__main__":

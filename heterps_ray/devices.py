@@ -173,12 +173,15 @@ def unwrap(exc: BaseException) -> BaseException:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        cause = getattr(current, "cause", None)
+        if isinstance(cause, BaseException):  # a RayTaskError: also an instance of its cause's type
+            current = cause
+            continue
         if isinstance(current, DeviceError):
             return current
         if type(current).__name__ == "ActorDiedError":
             found = _IN_TEXT.search(str(current))
             if found:
                 return DeviceError(found["type"], found["node"], found["saw"])
-        cause = getattr(current, "cause", None)
-        current = cause if isinstance(cause, BaseException) else current.__cause__
+        current = current.__cause__
     return exc

@@ -176,3 +176,47 @@ def test_nfs_exports_are_quoted_into_the_mount_command_and_the_idle_timeout_is_k
     assert _ray_up("10.0.0.5:/e", idle_timeout_s=90)["idle_timeout_minutes"] == 1.5
     with pytest.raises(ConfigError, match="--image"):
         ray_up_config(load_cluster(CLOUD), EC2, image="ray:latest; reboot")
+
+
+def _pods(manifest: dict) -> dict:
+    return {g["groupName"]: g["template"]["spec"] for g in manifest["spec"]["workerGroupSpecs"]}
+
+
+def test_gpu_worker_groups_land_only_on_their_own_gpu_nodes(tmp_path, capsys):
+    """An a100 pod cannot land on a T4 node (a nodeSelector per kind) and tolerates GPU nodes' taint;
+    the GPU groups run the image given for them (one with a CUDA torch and heterps_ray)."""
+    out = tmp_path / "raycluster.yaml"
+    argv = ["cluster", "render", str(CLOUD), "--kuberay", "-o", str(out), "--image", "reg.io/heterps:1",
+            "--gpu-image", "reg.io/heterps:1-cuda",
+            "--node-selector", "t4=cloud.google.com/gke-accelerator=nvidia-tesla-t4"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    pods = _pods(yaml.safe_load(out.read_text()))
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert pods["t4"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
+    assert pods["v100"]["nodeSelector"] == {"heterps.io/resource-type": "v100"}
+    assert pods["a100"]["nodeSelector"] == {"heterps.io/resource-type": "a100"}
+    selectors = [tuple(pods[t]["nodeSelector"].items()) for t in ("t4", "v100", "a100")]
+    assert len(set(selectors)) == 3  # no two GPU kinds share a node pool
+    for kind in ("t4", "v100", "a100"):
+        assert pods[kind]["tolerations"] == [toleration]
+        assert pods[kind]["containers"][0]["image"] == "reg.io/heterps:1-cuda"
+    assert "nodeSelector" not in pods["cpu"] and "tolerations" not in pods["cpu"]
+    assert pods["cpu"]["containers"][0]["image"] == "reg.io/heterps:1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--node-selector", "h100=a=b"], ["--node-selector", "t4"], ["--gpu-image", "img; reboot"]],
+    ids=["unknown type", "no label", "bad image"],
+)
+def test_bad_gpu_placement_options_exit_2(argv, capsys):
+    assert main(["cluster", "render", str(CLOUD), "--kuberay", *argv]) == 2
+    err = capsys.readouterr().err
+    assert ("--node-selector" in err or "--gpu-image" in err) and "Traceback" not in err, err
+
+
+def test_ray_up_gpu_node_types_run_the_gpu_image():
+    config = ray_up_config(load_cluster(CLOUD), EC2, image="reg.io/heterps:1", gpu_image="reg.io/heterps:1-cuda")
+    nodes = config["available_node_types"]
+    assert nodes["a100"]["docker"] == {"worker_image": "reg.io/heterps:1-cuda"}
+    assert "docker" not in nodes["cpu"] and config["docker"]["image"] == "reg.io/heterps:1"

@@ -28,6 +28,13 @@ def register(subparsers: Any) -> None:
     render.add_argument("--output", "-o", type=Path, default=None, help="file to write (default: stdout)")
     render.add_argument("--image", default=None, help="container image with heterps_ray installed "
                         "(default: rayproject/ray of this Ray version; -gpu for cuda types)")  # fmt: skip
+    render.add_argument("--gpu-image", default=None, help="image of the cuda types' nodes: one with a CUDA "
+                        "build of torch and heterps_ray (deploy/Dockerfile builds it; default: --image)")  # fmt: skip
+    render.add_argument("--node-selector", action="append", default=[], metavar="TYPE=KEY=VALUE",
+                        help="KubeRay: a label the nodes of a type's pods must carry (repeatable; default "
+                        "for cuda types: heterps.io/resource-type=TYPE, so put that label on each GPU "
+                        "node pool, or name the cloud's own, e.g. "
+                        "t4=cloud.google.com/gke-accelerator=nvidia-tesla-t4)")  # fmt: skip
     render.add_argument("--pvc", default=None, help="KubeRay: ReadWriteMany claim mounted at /mnt/heterps "
                         "(default: <cluster>-shared)")  # fmt: skip
     render.add_argument(
@@ -68,8 +75,16 @@ def _render(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if args.kuberay:
         secret = args.auth_secret or default_auth_secret(cluster)
+        selectors: dict[str, dict[str, str]] = {}
+        for item in args.node_selector:
+            name, _, label = item.partition("=")
+            key, sep, value = label.partition("=")
+            if not sep or not name or not key:
+                raise ConfigError(None, "--node-selector", "TYPE=KEY=VALUE", item)
+            selectors.setdefault(name, {})[key] = value
         rendered = kuberay_manifest(cluster, image=image, pvc=args.pvc, auth_secret=secret,
-                                    idle_timeout_s=args.idle_timeout)  # fmt: skip
+                                    idle_timeout_s=args.idle_timeout, gpu_image=args.gpu_image,
+                                    node_selectors=selectors)  # fmt: skip
         what = f"KubeRay RayCluster {rendered['metadata']['name']}"
         notes = auth_secret_help(secret)
     else:
@@ -80,7 +95,8 @@ def _render(args: argparse.Namespace) -> int:
                 raise ConfigError(None, "--instance-type", "NAME=EC2_TYPE", item)
             types[name] = instance
         rendered = ray_up_config(cluster, types, head_instance_type=args.head_instance_type, region=args.region,
-                                 image=image, nfs=args.nfs, idle_timeout_s=args.idle_timeout)  # fmt: skip
+                                 image=image, nfs=args.nfs, idle_timeout_s=args.idle_timeout,
+                                 gpu_image=args.gpu_image)  # fmt: skip
         what = f"ray up config {rendered['cluster_name']}"
     header = [f"{what}, rendered by `heterps cluster render` from {args.cluster}", *notes]
     text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(rendered, sort_keys=False)

@@ -6,6 +6,14 @@ resource ``{name: 1}``, the actor's CPUs (rounded up to whole CPUs) and, for ``c
 replicas scale from 0 (the PS type: from ``ps.min_shards``) to ``max_instances``. Prices are kept as
 labels. The head runs the driver and no actor (``num-cpus: 0``).
 
+GPU worker groups (KubeRay) land only on their own kind of node and on GPU nodes' taints: each carries
+a nodeSelector (default ``heterps.io/resource-type: <type>``, a label the user puts on that node pool;
+``node_selectors`` gives a type the labels its cloud already sets, e.g. GKE's
+``cloud.google.com/gke-accelerator``), so an ``a100`` pod cannot land on a T4 node, and tolerates the
+``nvidia.com/gpu`` NoSchedule taint GPU node pools carry. Their image is ``gpu_image``: one that holds a
+CUDA build of torch and heterps_ray (deploy/Dockerfile); Ray's own ``-gpu`` image holds neither, so
+it is only the default when no image is given at all.
+
 Several nodes read the same dataset and write the same output directory (DataWorkers read their
 partitions, PS shards write checkpoint snapshots), so both live on storage every node mounts at the
 same path: a PersistentVolumeClaim (ReadWriteMany) in the KubeRay manifest, an NFS export in the
@@ -39,6 +47,7 @@ from heterps_ray.errors import ConfigError
 
 SHARED_MOUNT = "/mnt/heterps"  # where every node sees the shared storage (data, output_dir)
 IMAGE = f"rayproject/ray:{ray.__version__}-py311"  # + "-gpu" for cuda types; use one with heterps_ray
+GPU_TAINT = "nvidia.com/gpu"  # the taint GPU node pools carry (GKE, EKS and AKS GPU pools, NVIDIA's operator)
 MEMORY_GIB_PER_CPU = 4
 HEAD_CPUS = 2
 LABEL_PREFIX = "heterps.io"
@@ -78,13 +87,19 @@ def kuberay_manifest(
     memory_gib_per_cpu: int = MEMORY_GIB_PER_CPU,
     auth_secret: str | None = None,
     idle_timeout_s: int = IDLE_TIMEOUT_S,
+    gpu_image: str | None = None,
+    node_selectors: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """A ``ray.io/v1`` RayCluster with one autoscaled worker group per resource type; every pod mounts
     the claim ``pvc`` (default ``<cluster>-shared``, ReadWriteMany) at :data:`SHARED_MOUNT`, and every Ray
-    container authenticates with the token in the Secret ``auth_secret`` (default ``<cluster>-ray-token``)."""
+    container authenticates with the token in the Secret ``auth_secret`` (default ``<cluster>-ray-token``).
+    GPU groups run ``gpu_image`` (default: ``image``, or Ray's -gpu image when ``image`` is Ray's own), on
+    nodes matching ``node_selectors[type]`` (default :func:`gpu_node_selector`), tolerating the GPU taint."""
     name = _dns_name(cluster.name, "cluster.name")
     claim = pvc or f"{name}-shared"
     image = _image(image)
+    gpu_image = _image(gpu_image, "--gpu-image") if gpu_image else (f"{image}-gpu" if image == IMAGE else image)
+    selectors = _node_selectors(cluster, node_selectors or {})
     secret = _secret_name(auth_secret or default_auth_secret(cluster))
     idle = _idle_timeout(idle_timeout_s)
     auth_env = [
@@ -95,13 +110,13 @@ def kuberay_manifest(
     def volumes() -> list[dict[str, Any]]:
         return [{"name": "shared", "persistentVolumeClaim": {"claimName": claim}}]
 
-    def container(role: str, cpus: int, gpus: int, gpu_image: bool) -> dict[str, Any]:
+    def container(role: str, cpus: int, gpus: int, gpu: bool) -> dict[str, Any]:
         limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{cpus * memory_gib_per_cpu}Gi"}
         if gpus:
             limits["nvidia.com/gpu"] = str(gpus)
         spec: dict[str, Any] = {
             "name": f"ray-{role}",
-            "image": f"{image}-gpu" if gpu_image and image == IMAGE else image,
+            "image": gpu_image if gpu else image,
             "env": copy.deepcopy(auth_env),
             "resources": {"limits": limits, "requests": dict(limits)},
             "volumeMounts": [{"name": "shared", "mountPath": SHARED_MOUNT}],
@@ -121,6 +136,14 @@ def kuberay_manifest(
         params = {"num-cpus": str(res["CPU"]), "resources": _quoted_json({rtype.name: 1})}
         if "GPU" in res:
             params["num-gpus"] = str(res["GPU"])
+        pod: dict[str, Any] = {
+            "containers": [container("worker", res["CPU"], res.get("GPU", 0), rtype.device == "cuda")],
+            "volumes": volumes(),
+        }
+        if rtype.name in selectors:
+            pod["nodeSelector"] = selectors[rtype.name]
+        if "GPU" in res:
+            pod["tolerations"] = [{"key": GPU_TAINT, "operator": "Exists", "effect": "NoSchedule"}]
         groups.append(
             {
                 "groupName": _dns_name(rtype.name, f"resource_types[{rtype.name}].name"),
@@ -128,13 +151,7 @@ def kuberay_manifest(
                 "minReplicas": low,
                 "maxReplicas": high,
                 "rayStartParams": params,
-                "template": {
-                    "metadata": {"labels": _labels(cluster, rtype)},
-                    "spec": {
-                        "containers": [container("worker", res["CPU"], res.get("GPU", 0), rtype.device == "cuda")],
-                        "volumes": volumes(),
-                    },
-                },
+                "template": {"metadata": {"labels": _labels(cluster, rtype)}, "spec": pod},
             }
         )
     return {
@@ -167,11 +184,14 @@ def ray_up_config(
     image: str = IMAGE,
     nfs: str | None = None,
     idle_timeout_s: int = IDLE_TIMEOUT_S,
+    gpu_image: str | None = None,
 ) -> dict[str, Any]:
     """An AWS ``ray up`` config with one node type per resource type, on the EC2 instance types given
-    (``instance_types[name]``). ``nfs`` (``HOST:/export``, validated by :func:`nfs_export`) is mounted at
-    :data:`SHARED_MOUNT` on every node and into the containers."""
+    (``instance_types[name]``: they fix each type's GPU kind). ``nfs`` (``HOST:/export``, validated by
+    :func:`nfs_export`) is mounted at :data:`SHARED_MOUNT` on every node and into the containers. GPU
+    node types run ``gpu_image`` (default as :func:`kuberay_manifest`)."""
     image = _image(image)
+    gpu_image = _image(gpu_image, "--gpu-image") if gpu_image else (f"{image}-gpu" if image == IMAGE else None)
     idle = _idle_timeout(idle_timeout_s)
     missing = [t.name for t in cluster.resource_types if t.name not in instance_types]
     unknown = sorted(set(instance_types) - {t.name for t in cluster.resource_types})
@@ -195,8 +215,8 @@ def ray_up_config(
             "max_workers": high,
             "labels": _labels(cluster, rtype),
         }
-        if rtype.device == "cuda" and image == IMAGE:
-            entry["docker"] = {"worker_image": f"{image}-gpu"}
+        if rtype.device == "cuda" and gpu_image is not None:
+            entry["docker"] = {"worker_image": gpu_image}
         node_types[rtype.name] = entry
     run_options = ["--ulimit nofile=65536:65536"]
     initialization: list[str] = []
@@ -289,11 +309,33 @@ def _idle_timeout(seconds: int) -> int:
     return seconds
 
 
-def _image(image: str) -> str:
+def _image(image: str, field: str = "--image") -> str:
     """``image`` when it is a plain image reference: ``ray up`` pastes it into ``docker`` commands."""
     if not re.fullmatch(_IMAGE, image):
-        raise ConfigError(None, "--image", "an image reference of letters, digits and '._/:@-'", image)
+        raise ConfigError(None, field, "an image reference of letters, digits and '._/:@-'", image)
     return image
+
+
+def gpu_node_selector(rtype: ResourceType) -> dict[str, str]:
+    """The default nodeSelector of a GPU type's pods: the node pool labelled with the type's name."""
+    return {f"{LABEL_PREFIX}/resource-type": rtype.name}
+
+
+def _node_selectors(cluster: ClusterConfig, given: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Each type's nodeSelector: the one given, else the default for GPU types (CPU types: none)."""
+    names = [t.name for t in cluster.resource_types]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(None, "--node-selector", f"TYPE=KEY=VALUE for a resource type of {names}", unknown)
+    out = {t.name: gpu_node_selector(t) for t in cluster.resource_types if t.device == "cuda"}
+    for name, labels in given.items():
+        for key, value in labels.items():
+            if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9._-]{1,63}", key) or not re.fullmatch(
+                r"[A-Za-z0-9._-]{0,63}", value
+            ):
+                raise ConfigError(None, "--node-selector", "TYPE=KEY=VALUE with a Kubernetes label", f"{key}={value}")
+        out[name] = dict(labels)
+    return out
 
 
 def _quoted_json(resources: dict[str, int]) -> str:

@@ -1,5 +1,6 @@
 """The profiling actor: :class:`LayerProfiler`, one process pinned to one resource type that times
-what the profiler (profiler.py) asks of it there and returns plain numbers.
+what the profiler (profiler.py) asks of it there and returns plain numbers. Ray is imported by the calls that use it only: the timing runs in a process without
+Ray too (scripts/gpu_check.py --no-ray).
 
 It builds the model (and, at index ``num_layers``, the whole model as one stage) on the device its
 type claims (heterps_ray.devices: a ``cuda`` type without a GPU is a DeviceError, never the CPU), with
@@ -22,7 +23,6 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-import ray
 
 from heterps_ray.models import build_model
 
@@ -57,6 +57,8 @@ class LayerProfiler:
         self._grads: dict[tuple[int, int], tuple[Any, ...]] = {}
 
     def describe(self) -> dict[str, Any]:
+        import ray
+
         return {
             "pid": os.getpid(),
             "device": str(self.device),
@@ -98,6 +100,7 @@ class LayerProfiler:
         """(node id, cores this process may use, window ms, CPU ms the rest of the machine used in
         the window) while this actor sleeps: the machine's cores and their background load."""
         import psutil
+        import ray
 
         def busy_s() -> float:
             t = psutil.cpu_times()
@@ -117,6 +120,7 @@ class LayerProfiler:
         pipeline's are): Ray's own work per call, which on a shared host takes a core beside the
         actors. NaN when the raylet cannot be found (not this actor's parent)."""
         import psutil
+        import ray
 
         raylet = psutil.Process().parent()
         if raylet is None or "raylet" not in raylet.name():
@@ -132,6 +136,8 @@ class LayerProfiler:
     def send(self, peer: Any, nbytes: int, repeats: int) -> list[float]:
         """Send `nbytes` to actor `peer` `repeats` times (after one warm-up); ms per message,
         measured here from the call until the peer has received it."""
+        import ray
+
         payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
         ray.get(peer.receive.remote(payload), timeout=PEER_TIMEOUT_S)
         times = []
@@ -148,6 +154,8 @@ class LayerProfiler:
         """ms for `calls` calls of `peer.echo` carrying `nbytes` each, `window` in flight, so the peer
         is never idle: its own work per call received (Ray deserialising the argument, running the
         task, storing an as large result), as a StageWorker's calls cost it besides its layers."""
+        import ray
+
         payload = np.ones(max(nbytes // 4, 1), dtype=np.float32)
         ray.get(peer.echo.remote(payload), timeout=PEER_TIMEOUT_S)
         pending: deque[Any] = deque()
@@ -168,6 +176,8 @@ class LayerProfiler:
         """(pull ms, push ms, push ms spent here) summed over one pull+push of each key batch through
         a PSClient, as a DataWorker makes them (each waited for; unseen keys create rows, as in
         training). The third part is the client's own work (de-duplicating and summing gradients)."""
+        import ray
+
         from heterps_ray.ps.shard import PSClient
 
         client = PSClient(shards)
@@ -188,6 +198,8 @@ class LayerProfiler:
 
     def dense_pushes(self, shard: Any, params: int, calls: int) -> float:
         """ms for `calls` async-mode dense pushes (Adam on the PS) of a table of `params` floats."""
+        import ray
+
         grads = {"w": np.full(params, 1e-3, dtype=np.float32)}
         ray.get(
             shard.register_dense.remote("profile", {"w": np.zeros(params, dtype=np.float32)}, "adam", 1e-3),

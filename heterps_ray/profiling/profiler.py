@@ -396,6 +396,7 @@ class _Waiter:
 
 
 def _user_error(exc: BaseException) -> BaseException:
+    """The user error an actor raised (a DeviceError also from a failed constructor), else `exc`."""
     found = unwrap(exc)
     if found is not exc:
         return found

@@ -64,20 +64,28 @@ def dense_optimizer(
 ) -> torch.optim.Optimizer:
     """The dense optimizer of a job: Adam (torch defaults besides lr) or plain SGD."""
     params = list(parameters)
+    # foreach=False: the CPU's default loop, also for a net on a GPU (stage.make_optimizer says why)
     if optimizer.dense == "adam":
-        return torch.optim.Adam(params, lr=optimizer.dense_lr)
-    return torch.optim.SGD(params, lr=optimizer.dense_lr)
+        return torch.optim.Adam(params, lr=optimizer.dense_lr, foreach=False)
+    return torch.optim.SGD(params, lr=optimizer.dense_lr, foreach=False)
 
 
 class ReferenceTrainer:
-    """Sparse table (Adagrad) + the full model (Adam/SGD) + BCE loss, in one process on the CPU."""
+    """Sparse table (Adagrad) + the full model (Adam/SGD) + BCE loss, in one process on the CPU (the
+    dense net on `device` instead: what one GPU stage computes, for scripts/gpu_check.py --no-ray)."""
 
     def __init__(
-        self, model: ModelSpec, optimizer: OptimizerConfig, seed: int = 0, table: TableConfig | None = None
+        self,
+        model: ModelSpec,
+        optimizer: OptimizerConfig,
+        seed: int = 0,
+        table: TableConfig | None = None,
+        device: torch.device | None = None,
     ):
         self.model = model
+        self.device = device or torch.device("cpu")
         self.table = sparse_table(model, optimizer, seed, table)
-        self.net: LayerChain = model.build(0, model.num_layers, seed)
+        self.net: LayerChain = model.build(0, model.num_layers, seed).to(self.device)
         self.optimizer = dense_optimizer(self.net.parameters(), optimizer)
         self.steps = 0
 
@@ -87,9 +95,9 @@ class ReferenceTrainer:
         batch_size = len(keys)
         rows = self.table.pull(keys.ravel(), step=self.steps)  # the batch index: the table's clock
         emb = torch.from_numpy(rows).view(batch_size, self.model.num_slots, self.model.embedding_dim)
-        emb.requires_grad_(True)
-        dense = torch.from_numpy(np.ascontiguousarray(batch["dense"], dtype=np.float32))
-        label = torch.from_numpy(np.ascontiguousarray(batch["label"], dtype=np.float32))
+        emb = emb.to(self.device).requires_grad_(True)  # on the CPU: the same tensor
+        dense = torch.from_numpy(np.ascontiguousarray(batch["dense"], dtype=np.float32)).to(self.device)
+        label = torch.from_numpy(np.ascontiguousarray(batch["label"], dtype=np.float32)).to(self.device)
         self.net.train()
         (logit,) = self.net((dense, emb))
         loss = loss_fn(logit, label)
@@ -97,7 +105,7 @@ class ReferenceTrainer:
         loss.backward()
         self.optimizer.step()
         assert emb.grad is not None
-        self.table.push(keys.ravel(), emb.grad.view(-1, self.model.embedding_dim).numpy())
+        self.table.push(keys.ravel(), emb.grad.view(-1, self.model.embedding_dim).cpu().numpy())
         self.steps += 1
         return float(loss.item())
 
@@ -111,8 +119,8 @@ class ReferenceTrainer:
             rows = self.table.pull(keys.ravel(), create=False)
             emb = torch.from_numpy(rows).view(len(keys), self.model.num_slots, self.model.embedding_dim)
             dense = torch.from_numpy(np.ascontiguousarray(batch["dense"][start : start + _EVAL_CHUNK]))
-            (logit,) = self.net((dense.float(), emb))
-            logits.append(logit.numpy())
+            (logit,) = self.net((dense.float().to(self.device), emb.to(self.device)))
+            logits.append(logit.cpu().numpy())
         return np.concatenate(logits) if logits else np.zeros(0, dtype=np.float32)
 
     def evaluate(self, batch: Batch) -> dict[str, float]:
