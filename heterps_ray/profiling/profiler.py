@@ -251,7 +251,10 @@ def measure(
             f"at least one type declared as a Ray resource on the cluster (cluster has {sorted(available)})",
             [t.name for t in job.cluster.resource_types],
         )
-    counts = actor_counts(present, ray.nodes())
+    names = [t.name for t in present]
+    counts = actor_counts(
+        present, ray.nodes(), job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
+    )
     actor_cls = ray.remote(LayerProfiler)
     model = {"name": job.model.name, **job.model.params}
     actors: dict[str, list[Any]] = {}
@@ -322,17 +325,22 @@ def measure(
     if scarce:
         notes.append(f"one actor of {scarce}: the cluster's GPUs do not hold two (no 1 vs 2 replica runs)")
     frame = pd.DataFrame([r.__dict__ for r in rows], columns=[*COLUMNS, *GPU_COLUMNS])
-    return ProfileRun(measurements=frame, actors=described, skipped_types=skipped, notes=notes, seconds=seconds)
+    return ProfileRun(
+        measurements=frame, actors=described, skipped_types=skipped, notes=notes, seconds=seconds
+    )
 
 
-def actor_counts(present: list[ResourceType], nodes: list[dict[str, Any]]) -> dict[str, int]:
+def actor_counts(
+    present: list[ResourceType], nodes: list[dict[str, Any]], ps_type: str | None = None
+) -> dict[str, int]:
     """Profiling actors per type: two where the alive nodes hold them, else one (the GPUs of the
-    cluster decide for GPU types: one actor each first, then the seconds). A type whose first actor
-    fits nowhere (a GPU type in a cluster without GPUs for it) is a ConfigError now, not a wait."""
+    cluster decide for GPU types: one actor each first, then the seconds; a unit of `ps_type` is kept
+    for the PS shard the profile starts). A type whose first actor fits nowhere (a GPU type in a
+    cluster without GPUs for it) is a ConfigError now, not a wait."""
     free = [dict(n.get("Resources", {})) for n in nodes if n.get("Alive", True)]
 
-    def place(rtype: ResourceType) -> bool:
-        gpus = rtype.num_gpus
+    def place(rtype: ResourceType, gpus: float | None = None) -> bool:
+        gpus = rtype.num_gpus if gpus is None else gpus
         for res in free:
             if res.get(rtype.name, 0) >= 1 and res.get("GPU", 0) + 1e-9 >= gpus:
                 res[rtype.name] -= 1
@@ -352,6 +360,9 @@ def actor_counts(present: list[ResourceType], nodes: list[dict[str, Any]]) -> di
                 "start the cluster with its GPUs, or profile without this type",
             )
         counts[rtype.name] = 1
+    for rtype in present:
+        if rtype.name == ps_type:
+            place(rtype, gpus=0.0)  # the PS shard's unit (it asks for no GPU)
     for rtype in present:
         if rtype.max_instances >= 2 and place(rtype):
             counts[rtype.name] = 2
@@ -510,7 +521,9 @@ def _host_runs(
     out = []
     for rtype in present:
         group = actors[rtype.name]
-        node, cores, ms, others = wait(group[0].host_load.remote(settings.host_window_s), f"{rtype.name} host load")
+        node, cores, ms, others = wait(
+            group[0].host_load.remote(settings.host_window_s), f"{rtype.name} host load"
+        )
         out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
         if calls and len(group) > 1:
             ms, others = wait(group[0].call_cpu.remote(group[-1], settings.host_calls), f"{rtype.name} calls")
@@ -544,7 +557,12 @@ def _transfer_runs(
                 continue
             for nbytes in settings.transfer_bytes:
                 bar.set_postfix_str(f"{sender.name}->{receiver.name} {nbytes / _BYTES_PER_MB:.2f} MB")
-                for rep, ms in enumerate(wait(src.send.remote(dst, nbytes, settings.repeats), f"{sender.name}->{receiver.name} messages")):
+                for rep, ms in enumerate(
+                    wait(
+                        src.send.remote(dst, nbytes, settings.repeats),
+                        f"{sender.name}->{receiver.name} messages",
+                    )
+                ):
                     rows.append(
                         _Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
                     )
@@ -593,7 +611,9 @@ def _pair_runs(
     out = []
     for rep in range(settings.pair_repeats):
         for replicas in (1, 2):
-            results = wait([a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]], what)
+            results = wait(
+                [a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]], what
+            )
             for calls, ms in results:
                 out.append(
                     _Row("layer_pair", rtype.name, layer=layer, batch_size=batch_size, replicas=replicas,
@@ -631,11 +651,15 @@ def _ps_runs(
         wait(warm, "PS round trips (warm-up)")
         for rep in range(settings.ps_repeats):
             calls = batches[(rep + 1) * settings.ps_calls : (rep + 2) * settings.ps_calls]
-            pull, push, own = wait(client.ps_round_trips.remote(shards, calls, spec.embedding_dim), "PS round trips")
+            pull, push, own = wait(
+                client.ps_round_trips.remote(shards, calls, spec.embedding_dim), "PS round trips"
+            )
             out.append(_Row("ps", ps_name, rows=micro_batch * spec.num_slots, calls=len(calls), repeat=rep,
                             forward_ms=pull, backward_ms=push, ms=pull + push, client_ms=own,
                             batch_size=micro_batch))  # fmt: skip
-            ms = wait(client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls), "PS dense pushes")
+            ms = wait(
+                client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls), "PS dense pushes"
+            )
             out.append(
                 _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
             )
