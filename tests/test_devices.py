@@ -219,3 +219,23 @@ def test_profile_with_more_gpu_instances_than_gpus_neither_hangs_nor_crashes(
     problem = yaml.safe_load(out.read_text())
     assert [r["device"] for r in problem["resources"]] == ["cpu"]  # measured, not the configured cuda
     assert f"one actor of ['{GPU_TYPE}']" in problem["notes"]
+
+
+def test_a_batch_size_that_runs_out_of_gpu_memory_is_skipped_not_fatal():
+    """The profiling actor's own logic, in-process: the item that ran out of memory comes back None (the
+    profiler records it as an "oom" row and a note), the others are timed."""
+    from heterps_ray.profiling.actor import LayerProfiler
+
+    class SmallGpu(LayerProfiler):  # a GPU whose memory holds batches of 32 at most
+        def _step(self, index: int, batch_size: int) -> tuple[float, float, float, float | None]:
+            if batch_size > 32:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super()._step(index, batch_size)
+
+    profiler = SmallGpu({**TINY_MODEL, "hidden": [8]}, 0, 1, "cpu", "cpu_small")
+    timed = profiler.time_layers([(1, 16), (1, 64), (2, 32)], 1, 0)
+    assert timed[1] is None
+    for result in (timed[0], timed[2]):
+        assert result is not None
+        forward, backward, copies, peak = result
+        assert forward > 0 and backward > 0 and 0 <= copies < forward + backward and peak is None
