@@ -190,7 +190,9 @@ def check_job_table(job: JobConfig, file: str | None = None) -> None:
     if estimate is not None:
         table = PSTable.model_validate(table_section(job, estimate))
         ps_type = job.cluster.ps_resource
-        _refuse_unholdable(table, ps_type, job.cluster.type(ps_type).max_instances, file or job.name)
+        _refuse_unholdable(
+            table, ps_type, job.cluster.type(ps_type).max_instances, file or f"job {job.name!r}"
+        )
 
 
 def _refuse_unholdable(table: PSTable, ps_type: str, cap: int, file: str) -> None:
