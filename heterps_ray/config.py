@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +30,17 @@ from pydantic import (
 from heterps_ray.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+
+# What a node keeps besides its actors' tables (GiB): Ray's object store as the local cluster starts it
+# (cluster.py), the driver process, and per actor its interpreter, torch and batches in flight.
+OBJECT_STORE_GB = 1.0
+DRIVER_GB = 1.5
+ACTOR_RESERVE_GB = 0.5
+
+
+def machine_memory_gb() -> float:
+    """This machine's physical memory, GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 class ResourceType(BaseModel):
@@ -54,6 +66,18 @@ class ResourceType(BaseModel):
     bandwidth_gbps: float = Field(10.0, gt=0)
     io_bandwidth_gbps: float | None = Field(None, gt=0)
     latency_ms: float = Field(0.0, ge=0)
+    table_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GiB of sparse-table rows one actor of this type may hold (default: from node_memory_gb, "
+        "see ClusterConfig.table_memory_gb)",
+    )
+    node_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GiB of memory of the node one actor of this type runs on, a node per actor (default: "
+        "this machine's memory, shared by the actors of every type without a node_memory_gb)",
+    )
     omp_wait_policy: Literal["passive", "active"] = Field(
         "passive",
         description="how torch's OpenMP threads wait between parallel regions: passive sleeps (where actors "
@@ -133,7 +157,42 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"resource type names must be unique (repeated: {dupes})")
         if self.ps.resource is not None and self.ps.resource not in names:
             raise ValueError(f"ps.resource {self.ps.resource!r} is not a resource type (known: {names})")
+        for i, t in enumerate(self.resource_types):
+            if t.node_memory_gb is None:
+                continue
+            if t.table_memory_gb is not None and t.table_memory_gb > t.node_memory_gb:
+                raise ConfigError(
+                    None,
+                    f"resource_types.{i}.table_memory_gb",
+                    f"at most its node_memory_gb ({t.node_memory_gb})",
+                    t.table_memory_gb,
+                )
+            if t.table_memory_gb is None and self.table_memory_gb(t.name) <= 0:
+                least = OBJECT_STORE_GB + DRIVER_GB + ACTOR_RESERVE_GB
+                raise ConfigError(
+                    None,
+                    f"resource_types.{i}.node_memory_gb",
+                    f"more than {least} GiB (the object store, the driver and one actor's own memory) to "
+                    "leave memory for tables, or an explicit table_memory_gb",
+                    t.node_memory_gb,
+                )
         return self
+
+    def table_memory_gb(self, name: str) -> float:
+        """GiB of table rows one actor of type `name` may hold: its `table_memory_gb`, else its node's
+        memory less the object store and the driver, split over the actors sharing the node (one on a
+        node of its own, given by `node_memory_gb`; else this machine, shared by the `max_instances` of
+        every type without a node_memory_gb), less each actor's own memory. Any placement within
+        max_instances then keeps every node within its memory."""
+        rtype = self.type(name)
+        if rtype.table_memory_gb is not None:
+            return rtype.table_memory_gb
+        if rtype.node_memory_gb is not None:
+            node, sharing = rtype.node_memory_gb, 1
+        else:
+            node = machine_memory_gb()
+            sharing = sum(t.max_instances for t in self.resource_types if t.node_memory_gb is None)
+        return max(0.0, (node - OBJECT_STORE_GB - DRIVER_GB) / sharing - ACTOR_RESERVE_GB)
 
     def type(self, name: str) -> ResourceType:
         for t in self.resource_types:
@@ -355,6 +414,10 @@ def validate(model_cls: type[BaseModel], data: dict[str, Any], file: str | None)
         if isinstance(got, dict):
             got = None
         raise ConfigError(file, field, expected, got) from None
+    except ConfigError as exc:  # raised by a model validator, which knows the field but not the file
+        if exc.file is None and file is not None:
+            raise ConfigError(file, exc.field, exc.expected, exc.got) from None
+        raise
 
 
 def _expected(err: Any) -> str:

@@ -216,8 +216,9 @@ def test_job_table_settings_become_the_table_spec_and_are_off_by_default():
     settings = TableConfig(admit_after=3, ttl_batches=500, max_shard_mb=64.0, evict="lfu")
     spec = sparse_spec(job.model_copy(update={"table": settings}), dim=9, init_scale=0.01)
     assert (spec.admit_after, spec.ttl, spec.evict) == (3, 500, "lfu")
-    # 64 MiB over rows of 88 B (key, weights, accumulators, counters), the index and waiting keys
+    # 64 MiB over rows of 88 B (key, weights, accumulators, counters), the index (a 4 B slot and a 1 B
+    # tag at load 3/8: 13.4 B) and waiting keys
     assert spec.max_rows == max_rows_for(64 * 2**20, 9, admit_after=3)
-    assert 64 * 2**20 / (88 + 11 + 16 + 11) < spec.max_rows < 64 * 2**20 / 88
+    assert 64 * 2**20 / (88 + 13.4 + 16 + 13.4) < spec.max_rows < 64 * 2**20 / (88 + 13.3 + 16 + 13.3)
     with pytest.raises(ValueError, match="admit_after"):
         TableConfig(admit_after=0)

@@ -51,9 +51,9 @@ def plan_bundles(job: JobConfig, plan: Plan) -> list[dict[str, float]]:
     replica of the other stages, a PS shard actor per shard unless the shards are hosted in DataWorker 0
     (runtime/actors.py hosts_shards)."""
     types = [s.type for s in plan.stages for _ in range(s.replicas)]
-    hosted = hosts_shards(job, [s.replicas for s in plan.stages])
-    if not hosted:
-        types += [job.cluster.ps_resource] * (job.runtime.ps_shards or int(plan.ps_shards))
+    shards = job.runtime.ps_shards or int(plan.ps_shards)
+    if not hosts_shards(job, plan.stages, shards):
+        types += [job.cluster.ps_resource] * shards
     return [actor_bundle(job.cluster, t) for t in types]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from heterps_ray.closedloop.probes import run_probe
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Problem, load_problem, problem_from_dict
+from heterps_ray.costmodel.table_memory import with_table
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.profiler import ProfileSettings, fit_runs, measure
@@ -31,6 +32,7 @@ def given_problem(path: Path, job: JobConfig, copy: Path) -> Problem:
         raise ConfigError(str(path), "resources", f"resource types of cluster {job.cluster.name!r}", unknown)
     data = problem.to_dict()
     data.update(throughput_min=job.throughput_min, batch_size=job.batch_size, samples=job.samples)
+    with_table(data, job)  # the job's table, not the one the problem was profiled with
     problem = problem_from_dict(data, str(path))
     if path.resolve() != copy.resolve():
         problem.save(copy)

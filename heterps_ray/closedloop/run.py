@@ -43,6 +43,7 @@ from heterps_ray.closedloop.state import STATE_FILE, has_state, load_state, save
 from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Problem, load_problem, one_replica_per_stage
+from heterps_ray.costmodel.table_memory import check_job_table, check_table_fits
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.profiling.fit import write_problem
@@ -84,6 +85,7 @@ def run_job(
         )
     saved = load_state(out, job) if resuming else None
     if saved is None:
+        check_job_table(job)  # a table no plan can hold: refused before anything starts (exit 3)
         _claim(out, overwrite)
     elif saved[2]:  # finished: the report is there, nothing is left to do
         print(f"{out}: the run finished already; its report is {out / REPORT_FILE}")
@@ -142,6 +144,7 @@ def _plan(
     On an autoscaling cluster a profile runs on one node of each type, requested for it (`waits`)."""
     with _timed(seconds, "profile"), profile_nodes(job, waits, wanted=problem_file is None):
         problem = _problem(job, settings, out, problem_file, seconds)
+    check_table_fits(problem, str(out / "problem.yaml"))
     with _timed(seconds, "plan"):
         plan = feasible(scheduler.schedule(problem), problem, job)
     print(plan.table())

@@ -154,7 +154,7 @@ class CostModel:
         )
         self.input_ms = np.array([input_ms(problem.input_bytes_per_sample, B, r.io_gbps) for r in types])
         self.ps_type = problem.type_index(problem.ps_resource)
-        self.ps_min_shards = problem.ps.min_shards
+        self.ps_min_shards = problem.ps_min_shards
         self.ps_rows_per_second = problem.ps_rows_per_second  # rows/s per shard
         self.rows_per_sample = float(sum(layer.sparse_rows_per_sample for layer in problem.layers))
         self.compute_safe = np.where(self.runnable, self.compute_ms, 0.0)

@@ -75,7 +75,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     assignment = [stage["type"] for stage in plan["stages"] for _ in stage["layers"]]
     replicas = [int(stage.get("replicas", 1)) for stage in plan["stages"]]
-    shards = int(plan.get("ps_shards") or problem.ps.min_shards)
+    shards = int(plan.get("ps_shards") or problem.ps_min_shards)
     analytic = CostModel(problem).evaluate(assignment, replicas, shards)
 
     print(

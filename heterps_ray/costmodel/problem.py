@@ -61,6 +61,21 @@ class Resource(BaseModel):
         return self.io_bandwidth_gbps if self.io_bandwidth_gbps is not None else self.bandwidth_gbps
 
 
+class PSTable(BaseModel):
+    """The sparse table's memory (costmodel/table_memory.py): what the profile's job expects it to hold
+    and the PS shards that hold it. The planner uses at least `shards_needed` shards; a table needing
+    more shards than the PS type has instances is refused at planning (exit 3)."""
+
+    model_config = _STRICT
+
+    rows: int = Field(ge=0, description="expected rows (from _meta.json's distinct values per slot)")
+    bytes_per_row: float = Field(gt=0, description="memory of one row in the row store, index included")
+    budget_gb: dict[str, float] = Field(description="per resource type: GiB of table rows one actor may hold")
+    shards_needed: int = Field(ge=1, description="PS shards on the PS type that hold the table")
+    shard_cap_gb: float | None = Field(None, gt=0, description="the job's table.max_shard_mb, GiB")
+    notes: str | None = None
+
+
 class PSTier(BaseModel):
     """The parameter-server tier, priced and rate-limited like one more stage."""
 
@@ -68,7 +83,8 @@ class PSTier(BaseModel):
 
     resource: str | None = Field(None, description="resource type of the shards (default: the first)")
     rows_per_second_per_shard: float | None = Field(None, gt=0, description="sparse rows/s one shard serves")
-    min_shards: int = Field(1, ge=1, description="shards needed to hold the tables in memory")
+    min_shards: int = Field(1, ge=1, description="fewest shards (table memory may ask more)")
+    table: PSTable | None = Field(None, description="the table's memory and the shards that hold it")
     pull_share: float | None = Field(
         None, ge=0, le=1, description="simulator: the pull's share of a row's service time (default 0.5)"
     )
@@ -279,6 +295,12 @@ class Problem(BaseModel):
     @property
     def ps_resource(self) -> str:
         return self.ps.resource or self.resources[0].name
+
+    @property
+    def ps_min_shards(self) -> int:
+        """The fewest shards a plan may use: ps.min_shards, or more where the table's memory needs them."""
+        needed = self.ps.table.shards_needed if self.ps.table is not None else 1
+        return max(self.ps.min_shards, needed)
 
     @property
     def ps_rows_per_second(self) -> float:

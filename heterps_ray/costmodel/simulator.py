@@ -270,7 +270,7 @@ def pipeline_model(
             )
         )
     rows = b * sum(layer.sparse_rows_per_sample for layer in layers)
-    shards = int(plan_map.get("ps_shards") or problem.ps.min_shards)
+    shards = int(plan_map.get("ps_shards") or problem.ps_min_shards)
     ps_type = problem.resource(problem.ps_resource)
     ps = PSModel(
         shards=shards,

@@ -32,6 +32,7 @@ import pandas as pd
 import ray
 
 from heterps_ray.config import JobConfig, ResourceType
+from heterps_ray.costmodel.table_memory import with_table
 from heterps_ray.data.layout import is_dataset
 from heterps_ray.devices import unwrap
 from heterps_ray.errors import ConfigError, HeterPSError
@@ -193,6 +194,7 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         input_bytes_per_sample=spec.input_bytes_per_sample,
         execution=execution_of(job),
     )
+    with_table(result.problem, job, spec.embedding_dim)  # ps.table: the shards the table's memory needs
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in runs[0].actors})
     notes = [

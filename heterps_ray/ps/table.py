@@ -72,7 +72,9 @@ except ImportError as exc:  # pragma: no cover - a checkout whose extension was 
 ADAGRAD_EPS = 1e-10  # same as torch.optim.Adagrad's default eps
 OPTIMIZERS = ("adagrad", "rowwise_adagrad")
 EVICTION = ("lru", "lfu")
-_INDEX_BYTES = 4 / 0.375  # B/row of the index at its sparsest (load 3/8, just after doubling)
+# B/row of the index at its sparsest (load 3/8, just after doubling): a uint32 row number and a uint8 tag
+# per slot (_rows.c). 136 B of payload + 13.3 = 149.3 B/row is what 10M fresh dim-16 keys measured.
+_INDEX_BYTES = (4 + 1) / 0.375
 _CANDIDATE_BYTES = 16  # key, count, last seen of a key waiting for admission
 
 # splitmix64 constants (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", 2014).
@@ -117,10 +119,15 @@ def row_bytes(dim: int, optimizer: str = "adagrad", tracked: bool = False) -> in
     return 8 + 4 * dim + 4 * (1 if optimizer == "rowwise_adagrad" else dim) + (8 if tracked else 0)
 
 
+def stored_bytes_per_row(dim: int, optimizer: str = "adagrad", tracked: bool = False) -> float:
+    """Memory one row takes in the store at its worst: the row and its share of the index at its sparsest."""
+    return row_bytes(dim, optimizer, tracked) + _INDEX_BYTES
+
+
 def max_rows_for(memory_bytes: float, dim: int, optimizer: str = "adagrad", admit_after: int = 1) -> int:
     """The row cap (``max_rows``) that keeps one table within `memory_bytes` at its worst: rows with
     counters, the index at its sparsest, and as many keys waiting for admission as rows."""
-    per_row = row_bytes(dim, optimizer, tracked=True) + _INDEX_BYTES
+    per_row = stored_bytes_per_row(dim, optimizer, tracked=True)
     if admit_after > 1:
         per_row += _CANDIDATE_BYTES + _INDEX_BYTES
     return max(1, int(memory_bytes // per_row))

@@ -13,13 +13,14 @@ The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from heterps_ray.config import ClusterConfig, JobConfig
+from heterps_ray.costmodel.table_memory import estimate_table, hosted_fits
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
@@ -43,11 +44,15 @@ def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
     return {k: float(v) for k, v in bundle.items() if v}
 
 
-def hosts_shards(job: JobConfig, replicas: list[int]) -> bool:
-    """Whether a plan with these stage replica counts hosts its PS shards in DataWorker 0's process:
-    one DataWorker and no replicated stage, with ``runtime.ps_hosting: auto`` (no PS call crosses a
-    process, and the shards need no actors, nor nodes, of their own)."""
-    return job.runtime.ps_hosting == "auto" and all(r == 1 for r in replicas)
+def hosts_shards(job: JobConfig, stages: Sequence[Any], num_shards: int, dim: int | None = None) -> bool:
+    """Whether a plan with these stages (each with a ``type`` and ``replicas``) hosts its PS shards in
+    DataWorker 0's process: one DataWorker and no replicated stage, with ``runtime.ps_hosting: auto`` (no
+    PS call crosses a process, and the shards need no actors, nor nodes, of their own), and one actor
+    of stage 0's type holds the whole table (costmodel/table_memory.py; else the shards are actors).
+    `dim`: the model's embedding_dim (default: built from the job's model)."""
+    if job.runtime.ps_hosting != "auto" or any(s.replicas != 1 for s in stages):
+        return False
+    return hosted_fits(job, stages[0].type, num_shards, estimate_table(job, dim))
 
 
 class ActorSet:
@@ -67,7 +72,7 @@ class ActorSet:
             )
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
-        self.hosted = hosts_shards(job, [s.replicas for s in stages])
+        self.hosted = hosts_shards(job, stages, num_shards, model.embedding_dim)
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[ShardHandle] = []
         self.shard_actors: list[Any] = []

@@ -26,13 +26,14 @@ import ray
 from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import Plan
+from heterps_ray.costmodel.table_memory import check_plan_holds, estimate_table
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.devices import cluster_gpus
 from heterps_ray.errors import ConfigError, DataError, StorageError
 from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker
 from heterps_ray.models import build_model
 from heterps_ray.ps.atomic import write_bytes_atomic
-from heterps_ray.runtime.actors import ActorSet
+from heterps_ray.runtime.actors import ActorSet, hosts_shards
 from heterps_ray.runtime.checkpoint import (
     CHECKPOINTS_DIR,
     MODEL_DIR,
@@ -118,6 +119,8 @@ def train(
     stages = resolve_stages(plan, model, job, plan_file)
     num_shards = job.runtime.ps_shards or int(plan.ps_shards)
     check_capacity(stages, num_shards, job.cluster, plan_file)
+    if not hosts_shards(job, stages, num_shards, model.embedding_dim):  # shard actors: each holds its share
+        check_plan_holds(job, estimate_table(job, model.embedding_dim), num_shards, plan_file)
     output_dir = Path(job.output_dir)
     plan_dict = plan.to_dict()
     if resume and not save:

@@ -70,12 +70,14 @@ def register(subparsers: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from heterps_ray.config import writable
     from heterps_ray.costmodel import load_problem
+    from heterps_ray.costmodel.table_memory import check_table_fits
     from heterps_ray.errors import ConfigError
     from heterps_ray.scheduling import get_scheduler
 
     if args.output:
         writable(args.output, "--output", directory=False)
     problem = load_problem(args.problem)
+    check_table_fits(problem, args.problem)
     options = {}
     if args.finetune_s is not None:
         if args.scheduler != "rl":
@@ -101,11 +103,13 @@ def _compare(args: argparse.Namespace) -> int:
 
     from heterps_ray.config import writable
     from heterps_ray.costmodel import load_problem
+    from heterps_ray.costmodel.table_memory import check_table_fits
     from heterps_ray.scheduling import available_schedulers, get_scheduler
 
     if args.output:
         writable(args.output, "--output", directory=False)
     problem = load_problem(args.problem)
+    check_table_fits(problem, args.problem)
     if args.schedulers:
         names = ["exact"] + [n.strip() for n in args.schedulers.split(",") if n.strip() not in ("", "exact")]
     else:

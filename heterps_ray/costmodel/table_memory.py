@@ -1,0 +1,238 @@
+"""The memory a job's sparse table needs and the PS shards that hold it (DESIGN.md §4, "Table memory").
+
+The table's expected rows are the distinct values of each sparse slot that ``_meta.json`` counts
+(``distinct_values``, train and eval), each slot capped by what the job can create: ``train_steps`` ×
+``batch_size`` values when the job stops early, ``ttl_batches`` × ``batch_size`` live rows when rows
+expire. A row costs :func:`~heterps_ray.ps.table.stored_bytes_per_row`: its payload (key, weights,
+Adagrad state, counters when admission, TTL or a cap is on) and the index at its sparsest (149.3 B/row
+at dim 16 untracked, measured: BENCHMARKS.md "Table memory"). Admission (``admit_after`` > 1) is not
+discounted: ``_meta.json`` counts distinct values but not how often each occurs, so the share admission
+keeps is unknown and every distinct value is counted (an upper bound).
+
+Each resource type has a budget: the table memory one of its actors may hold
+(:meth:`~heterps_ray.config.ClusterConfig.table_memory_gb`). PS shard actors on the PS type split the
+table evenly (keys are hashed to shards), so ``shards_needed`` = ceil(table bytes / PS type budget);
+shards hosted in a DataWorker's process hold the whole table on one actor of stage 0's type.
+
+Example::
+
+    estimate = estimate_table(job)          # TableEstimate(rows=..., bytes_per_row=149.3, ...)
+    shards_needed(estimate.rows, estimate.bytes_per_row, 3.0 * 2**30)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from heterps_ray.config import JobConfig
+from heterps_ray.costmodel.problem import PSTable
+from heterps_ray.errors import ConfigError, DataError, InfeasibleError
+from heterps_ray.ps.shard import sparse_spec
+from heterps_ray.ps.table import stored_bytes_per_row
+
+GIB = 2**30
+NO_SHARD_COUNT = 2**31 - 1  # shards_needed where an actor has no table memory: more than any type has
+
+
+@dataclass(frozen=True)
+class TableEstimate:
+    """The expected rows of a job's table, the bytes of each, and how the figure was reached."""
+
+    rows: int
+    bytes_per_row: float
+    shard_cap_bytes: float  # the job's table.max_shard_mb: what one shard holds at most (inf: no cap)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> float:
+        return self.rows * self.bytes_per_row
+
+
+def expected_rows(meta: dict[str, Any], job: JobConfig, meta_file: str) -> tuple[int, list[str]]:
+    """The rows `job`'s table is expected to reach on the dataset described by `meta` (its
+    ``_meta.json``), and notes on the caps applied. A DataError when `meta` counts no distinct values."""
+    distinct = meta.get("distinct_values")
+    if not isinstance(distinct, dict) or not distinct:
+        raise DataError(
+            f"{meta_file}: no distinct_values per slot (the table's expected rows); rewrite the dataset "
+            "with `heterps data convert` or `heterps data synth`"
+        )
+    caps: list[tuple[int, str]] = []
+    if job.runtime.train_steps is not None:
+        caps.append((job.runtime.train_steps * job.batch_size, "runtime.train_steps x batch_size"))
+    if job.table.ttl_batches:
+        caps.append((job.table.ttl_batches * job.batch_size, "table.ttl_batches x batch_size"))
+    cap, why = min(caps) if caps else (math.inf, "")
+    rows = 0
+    for slot, count in distinct.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise DataError(f"{meta_file}: distinct_values.{slot} must be a count (got {count!r})")
+        rows += int(min(count, cap))
+    notes = []
+    if caps and rows < sum(distinct.values()):
+        notes.append(f"each slot capped at {cap:,} values ({why})")
+    if job.table.admit_after > 1:
+        notes.append(
+            "admission's share not estimated (_meta.json has no per-value counts): every distinct value counted"
+        )
+    return rows, notes
+
+
+def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | None:
+    """The table estimate of `job` from its dataset's ``_meta.json``; None when the data path holds no
+    dataset yet (``heterps run`` generates one from ``data.synth_rows``). `dim`: the model's
+    embedding_dim (default: built from the job's model)."""
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.data.layout import is_dataset
+
+    if not is_dataset(job.data.path):
+        return None
+    if dim is None:
+        from heterps_ray.models import build_model
+
+        dim = build_model(job.model).embedding_dim
+    dataset = Dataset(job.data.path)
+    rows, notes = expected_rows(dataset.meta, job, str(dataset.path / "_meta.json"))
+    spec = sparse_spec(job, dim, init_scale=0.0)
+    tracked = spec.admit_after > 1 or spec.ttl > 0 or spec.max_rows > 0
+    cap = job.table.max_shard_mb * 2**20 if job.table.max_shard_mb else math.inf
+    if job.table.max_shard_mb:
+        notes.append(f"each shard capped at table.max_shard_mb = {job.table.max_shard_mb:g} MiB")
+    return TableEstimate(rows, stored_bytes_per_row(dim, spec.optimizer, tracked), cap, tuple(notes))
+
+
+def shards_needed(
+    rows: int, bytes_per_row: float, budget_bytes: float, shard_cap_bytes: float = math.inf
+) -> int:
+    """The fewest shards, each on an actor with `budget_bytes` for table rows, that hold `rows` rows
+    (each shard holds at most `shard_cap_bytes`: a capped table evicts rather than grow)."""
+    total = rows * bytes_per_row
+    if min(total, shard_cap_bytes) <= budget_bytes:
+        return 1
+    if budget_bytes <= 0:  # a type left no table memory (its node's memory is all reserved)
+        return NO_SHARD_COUNT
+    return math.ceil(total / budget_bytes)
+
+
+def budgets_gb(job: JobConfig) -> dict[str, float]:
+    """Each resource type's table budget, GiB per actor."""
+    return {t.name: round(job.cluster.table_memory_gb(t.name), 3) for t in job.cluster.resource_types}
+
+
+def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
+    """The problem's ``ps.table`` section for `job`'s table `estimate`: rows, bytes_per_row, budget_gb
+    per type, shards_needed on the PS type (and shard_cap_gb, notes)."""
+    budgets = budgets_gb(job)
+    budget = budgets[job.cluster.ps_resource] * GIB
+    section: dict[str, Any] = {
+        "rows": estimate.rows,
+        "bytes_per_row": round(estimate.bytes_per_row, 2),
+        "budget_gb": budgets,
+        "shards_needed": shards_needed(
+            estimate.rows, estimate.bytes_per_row, budget, estimate.shard_cap_bytes
+        ),
+    }
+    if not math.isinf(estimate.shard_cap_bytes):
+        section["shard_cap_gb"] = estimate.shard_cap_bytes / GIB
+    if estimate.notes:
+        section["notes"] = "; ".join(estimate.notes)
+    return section
+
+
+def with_table(data: dict[str, Any], job: JobConfig, dim: int | None = None) -> dict[str, Any]:
+    """A problem mapping given `job`'s table: ``ps.table`` (so the planner uses at least its
+    shards_needed), and ``runtime.ps_hosting: actors`` when some type that can run the first layer
+    cannot hold the whole table in its DataWorker (hosted shards would not fit there). Unchanged when
+    the job's dataset does not exist yet."""
+    estimate = estimate_table(job, dim)
+    if estimate is None:
+        return data
+    data.setdefault("ps", {})["table"] = table_section(job, estimate)
+    runtime = data.get("runtime")
+    if runtime is not None and runtime.get("ps_hosting", "auto") == "auto":
+        first = [t for t in data["layers"][0]["time_ms"] if t in data["ps"]["table"]["budget_gb"]]
+        shards = max(data["ps"].get("min_shards", 1), data["ps"]["table"]["shards_needed"])
+        if not all(hosted_fits(job, t, shards, estimate) for t in first):
+            runtime["ps_hosting"] = "actors"
+    return data
+
+
+def figures(table: PSTable, ps_type: str, cap: int) -> str:
+    """The figures of a table that no plan (or a given plan) can hold, for the refusal's message."""
+    budgets = ", ".join(f"{name} {gb:.2f} GiB" for name, gb in table.budget_gb.items())
+    total = table.rows * table.bytes_per_row / GIB
+    line = (
+        f"the sparse table's {table.rows:,} expected rows x {table.bytes_per_row:.1f} B/row = {total:,.1f} GiB "
+        f"need {table.shards_needed:,} PS shards on {ps_type!r} (table budget per actor: {budgets}; "
+        f"{ps_type!r} has max_instances {cap})"
+    )
+    if table.notes:
+        line += f"; {table.notes}"
+    return line
+
+
+def check_table_fits(problem: Any, file: str) -> None:
+    """Refuse (InfeasibleError, exit 3) a problem whose table needs more PS shards than its PS type has
+    instances: no plan can hold it. Called before any scheduler runs."""
+    if problem.ps.table is not None:
+        _refuse_unholdable(
+            problem.ps.table, problem.ps_resource, problem.resource(problem.ps_resource).max_instances, file
+        )
+
+
+def check_job_table(job: JobConfig, file: str | None = None) -> None:
+    """The same refusal for `job` on its cluster, from its dataset's ``_meta.json`` alone: ``heterps run``
+    calls it before Ray starts or anything is profiled (a dataset not written yet is checked later,
+    on the problem)."""
+    estimate = estimate_table(job)
+    if estimate is not None:
+        table = PSTable.model_validate(table_section(job, estimate))
+        ps_type = job.cluster.ps_resource
+        _refuse_unholdable(
+            table, ps_type, job.cluster.type(ps_type).max_instances, file or f"job {job.name!r}"
+        )
+
+
+def _refuse_unholdable(table: PSTable, ps_type: str, cap: int, file: str) -> None:
+    if table.shards_needed > cap:
+        raise InfeasibleError(
+            f"{file}: no plan can hold the table: {figures(table, ps_type, cap)}. Possible fixes: "
+            "(1) raise the PS type's max_instances or table_memory_gb / node_memory_gb in the cluster "
+            "config; (2) cap the table (table.max_shard_mb, table.ttl_batches); (3) a smaller embedding_dim",
+            0.0,
+        )
+
+
+def hosted_fits(job: JobConfig, first_type: str, num_shards: int, estimate: TableEstimate | None) -> bool:
+    """Whether one actor of `first_type` (stage 0's) holds the whole table, as shards hosted in its
+    DataWorker need (else they run as actors on the PS type)."""
+    if estimate is None:
+        return True
+    held = min(estimate.total_bytes, estimate.shard_cap_bytes * num_shards)
+    return held <= job.cluster.table_memory_gb(first_type) * GIB
+
+
+def check_plan_holds(
+    job: JobConfig, estimate: TableEstimate | None, num_shards: int, plan_file: str | None
+) -> None:
+    """Refuse (ConfigError, exit 2) a plan whose `num_shards` shard actors on the PS type cannot hold
+    `job`'s table within the type's table budget."""
+    if estimate is None:
+        return
+    budget = job.cluster.table_memory_gb(job.cluster.ps_resource) * GIB
+    per_shard = min(estimate.total_bytes / num_shards, estimate.shard_cap_bytes)
+    if per_shard <= budget:
+        return
+    need = shards_needed(estimate.rows, estimate.bytes_per_row, budget, estimate.shard_cap_bytes)
+    raise ConfigError(
+        plan_file,
+        "ps_shards",
+        f"PS shards that hold the table: {estimate.rows:,} expected rows x {estimate.bytes_per_row:.1f} B/row "
+        f"= {estimate.total_bytes / GIB:,.1f} GiB over {num_shards} shard(s) on {job.cluster.ps_resource!r} is "
+        f"{per_shard / GIB:,.2f} GiB per shard, over the type's table budget of {budget / GIB:.2f} GiB per "
+        f"actor (at least {need:,} shards needed, its max_instances is "
+        f"{job.cluster.type(job.cluster.ps_resource).max_instances})",
+        num_shards,
+    )

@@ -1,0 +1,231 @@
+"""Shards placed by memory (costmodel/table_memory.py): the table's estimate from _meta.json, each type's
+table budget, shards_needed in the problem, and the refusals of a table no plan (or a given plan) holds."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from heterps_ray.cli import main
+from heterps_ray.config import (
+    ACTOR_RESERVE_GB,
+    DRIVER_GB,
+    OBJECT_STORE_GB,
+    load_cluster,
+    load_job,
+    machine_memory_gb,
+)
+from heterps_ray.costmodel import load_problem, problem_from_dict
+from heterps_ray.costmodel.table_memory import GIB, estimate_table, shards_needed, with_table
+from heterps_ray.data.synth import synthesize
+from heterps_ray.errors import ConfigError
+from heterps_ray.ps.table import row_bytes, stored_bytes_per_row
+from heterps_ray.runtime.actors import hosts_shards
+from heterps_ray.scheduling import get_scheduler
+
+REPO = Path(__file__).resolve().parents[1]
+CLOUD_PROBLEM = REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml"
+BIG_SLOT = 80_000_000  # distinct values in each of 26 slots: 2.08B keys, ~300 GB of rows
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """A real, small dataset (2,000 rows) whose _meta.json the tests rewrite."""
+    path = tmp_path_factory.mktemp("table") / "data"
+    synthesize(path, 2_000, seed=3)
+    return path
+
+
+def _with_distinct(src: Path, dst: Path, per_slot: int) -> Path:
+    """A copy of dataset `src` at `dst` whose _meta.json counts `per_slot` distinct values in every slot."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "_meta.json").read_text())
+    meta["distinct_values"] = {slot: per_slot for slot in meta["distinct_values"]}
+    meta["distinct_values_total"] = per_slot * len(meta["distinct_values"])
+    (dst / "_meta.json").write_text(json.dumps(meta))
+    return dst
+
+
+def _job_file(tmp_path: Path, data: Path, cluster: Any = "local.yaml", **changes: Any) -> Path:
+    job = {
+        "name": "table",
+        "model": {"name": "ctr_dnn", "embedding_dim": 16, "hidden": [512, 256, 128, 32]},
+        "cluster": str(REPO / "configs" / "clusters" / cluster) if isinstance(cluster, str) else cluster,
+        "data": {"path": str(data)},
+        "batch_size": 128,
+        "samples": 1_000_000,
+        "throughput_min": 10,
+        "mode": "sync",
+        "scheduler": "exact",
+        "output_dir": str(tmp_path / "out"),
+        **changes,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A refusal comes before Ray starts: starting it fails the test."""
+    import ray
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray started before the table was refused")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+# -- the estimate -------------------------------------------------------------------------------
+
+
+def test_estimate_counts_each_slots_distinct_values_at_the_row_stores_bytes(small_data, tmp_path):
+    meta = json.loads((small_data / "_meta.json").read_text())
+    job = load_job(_job_file(tmp_path, small_data))
+    estimate = estimate_table(job)
+    assert estimate is not None
+    assert estimate.rows == sum(meta["distinct_values"].values()) == meta["distinct_values_total"]
+    # dim 16, Adagrad, untracked: 136 B of payload + the index at its sparsest = the 149.3 B/row measured
+    assert row_bytes(16) == 136
+    assert estimate.bytes_per_row == pytest.approx(149.33, abs=0.01)
+    assert estimate.notes == ()
+
+
+def test_ttl_and_train_steps_cap_each_slot_and_admission_is_said_to_be_uncounted(small_data, tmp_path):
+    data = _with_distinct(small_data, tmp_path / "big", 1_000_000)
+    ttl = load_job(_job_file(tmp_path, data, table={"ttl_batches": 10}))
+    estimate = estimate_table(ttl)
+    assert estimate is not None
+    assert estimate.rows == 26 * 10 * 128  # at most ttl x batch_size live rows per slot
+    assert estimate.bytes_per_row == stored_bytes_per_row(16, tracked=True)  # TTL keeps counters
+    assert "table.ttl_batches x batch_size" in estimate.notes[0]
+    steps = estimate_table(load_job(_job_file(tmp_path, data, runtime={"train_steps": 50})))
+    assert steps is not None and steps.rows == 26 * 50 * 128
+    admitted = estimate_table(load_job(_job_file(tmp_path, data, table={"admit_after": 3})))
+    assert admitted is not None and admitted.rows == 26_000_000  # not discounted: the data cannot say
+    assert "admission's share not estimated" in " ".join(admitted.notes)
+
+
+def test_shards_needed_is_the_fewest_shards_within_the_budget():
+    assert shards_needed(1_000, 150.0, 1e6) == 1
+    assert shards_needed(10_000, 150.0, 1e6) == 2  # 1.5 MB over 1 MB actors
+    assert shards_needed(10_000_000, 150.0, 1e6) == 1_500
+    assert shards_needed(10_000_000, 150.0, 1e6, shard_cap_bytes=5e5) == 1  # a capped shard evicts instead
+
+
+# -- each type's budget -------------------------------------------------------------------------
+
+
+def test_default_budget_splits_the_node_over_its_actors_after_the_store_driver_and_reserves(tmp_path):
+    local = load_cluster(REPO / "configs" / "clusters" / "local.yaml")  # 4 + 2 actors on this machine
+    expected = (machine_memory_gb() - OBJECT_STORE_GB - DRIVER_GB) / 6 - ACTOR_RESERVE_GB
+    assert local.table_memory_gb("cpu_small") == pytest.approx(expected)
+    assert local.table_memory_gb("cpu_big") == pytest.approx(expected)
+    cloud = load_cluster(REPO / "configs" / "clusters" / "cloud_gpu.yaml")  # a node per actor
+    assert cloud.table_memory_gb("cpu") == pytest.approx(16 - 1.0 - 1.5 - 0.5)
+    data = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    data["resource_types"][0]["table_memory_gb"] = 1.25
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_cluster(path).table_memory_gb("cpu_small") == 1.25  # explicit wins
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"table_memory_gb": -1}, "resource_types.0.table_memory_gb"),
+        ({"table_memory_gb": "lots"}, "resource_types.0.table_memory_gb"),
+        ({"node_memory_gb": 0}, "resource_types.0.node_memory_gb"),
+        ({"node_memory_gb": 2.5}, "resource_types.0.node_memory_gb"),  # nothing left for tables
+        ({"node_memory_gb": 8, "table_memory_gb": 9}, "resource_types.0.table_memory_gb"),
+    ],
+)
+def test_bad_memory_fields_name_the_file_and_field(tmp_path, change, field):
+    data = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    data["resource_types"][0].update(change)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_cluster(path)
+    assert err.value.file == str(path) and err.value.field == field
+
+
+# -- the problem and the planner ----------------------------------------------------------------
+
+
+def _cloud_problem_for(job_file: Path) -> dict[str, Any]:
+    """configs/problems/ctr_dnn_cloud.yaml given the table of the job in `job_file` (cloud cluster)."""
+    return with_table(load_problem(CLOUD_PROBLEM).to_dict(), load_job(job_file))
+
+
+def test_a_table_that_fits_puts_its_shards_needed_into_the_problem_and_the_plan(small_data, tmp_path):
+    # 30M distinct values per slot: 780M rows x 149.3 B = 108 GiB over cloud cpu nodes with 13 GiB each
+    data = _with_distinct(small_data, tmp_path / "d", 30_000_000)
+    job_file = _job_file(tmp_path, data, cluster="cloud_gpu.yaml")
+    problem = problem_from_dict(_cloud_problem_for(job_file))
+    table = problem.ps.table
+    assert table is not None and table.rows == 26 * 30_000_000
+    assert table.budget_gb["cpu"] == 13.0
+    need = math.ceil(table.rows * table.bytes_per_row / (13 * GIB))
+    assert table.shards_needed == need == 9 and problem.ps_min_shards == 9  # more than min_shards 2
+    plan = get_scheduler("exact").schedule(problem)
+    assert plan.feasible and plan.ps_shards >= 9
+    assert plan.ps_shards * 13 * GIB >= table.rows * table.bytes_per_row  # no shard over its budget
+
+
+def test_plan_and_compare_refuse_a_table_no_plan_holds_with_exit_3_and_the_figures(
+    small_data, tmp_path, capsys
+):
+    data = _with_distinct(small_data, tmp_path / "d", BIG_SLOT)
+    job = _job_file(tmp_path, data, cluster="cloud_gpu.yaml")
+    problem = _cloud_problem_for(job)
+    problem["resources"][0]["max_instances"] = 16  # 16 cpu nodes x 13 GiB cannot hold 290 GiB
+    path = tmp_path / "problem.yaml"
+    path.write_text(yaml.safe_dump(problem))
+    for command in (["plan", "--problem", str(path)], ["compare", "--problem", str(path)]):
+        assert main(command) == 3
+        err = capsys.readouterr().err
+        assert "no plan can hold the table" in err and "2,080,000,000 expected rows" in err
+        assert "x 149.3 B/row" in err and "need 23 PS shards on 'cpu'" in err
+        assert "cpu 13.00 GiB" in err and "a100 141.00 GiB" in err and "max_instances 16" in err
+
+
+def test_run_refuses_the_80m_per_slot_table_on_this_machine_before_ray_starts(
+    small_data, tmp_path, capsys, no_ray
+):
+    data = _with_distinct(small_data, tmp_path / "d", BIG_SLOT)
+    job = _job_file(tmp_path, data)
+    assert main(["run", str(job), "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert "no plan can hold the table" in err and "2,080,000,000 expected rows x 149.3 B/row" in err
+    assert "on 'cpu_small'" in err and "cpu_big" in err and "max_instances 4" in err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_train_refuses_a_plan_whose_shards_cannot_hold_the_table_before_ray_starts(
+    small_data, tmp_path, capsys, no_ray
+):
+    # 200k values per slot: 5.2M rows x 149.3 B = 0.72 GiB; cpu_small actors get 0.25 GiB each here
+    data = _with_distinct(small_data, tmp_path / "d", 200_000)
+    cluster = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    cluster["resource_types"][0]["table_memory_gb"] = 0.25
+    job_file = _job_file(tmp_path, data, cluster=cluster)
+    job = load_job(job_file)
+    plan = REPO / "configs" / "plans" / "quickstart.json"  # one replica per stage: would host its 2 shards
+    stages = [type("S", (), {"type": "cpu_small", "replicas": 1})()]
+    assert not hosts_shards(job, stages, 2)  # the whole table does not fit one cpu_small DataWorker
+    assert main(["train", str(job_file), "--plan", str(plan), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "field 'ps_shards'" in err and str(plan) in err
+    assert "5,200,000 expected rows x 149.3 B/row" in err and "at least 3 shards needed" in err
+    assert not (tmp_path / "out").exists()
+    small = _with_distinct(small_data, tmp_path / "s", 1_000)
+    assert hosts_shards(load_job(_job_file(tmp_path, small, cluster=cluster)), stages, 2)
