@@ -288,7 +288,7 @@ class SparseTable:
         gone = np.empty(removed, dtype=np.int64)
         n = self._rows.export_changes(which, keys, weights, accum, meta, gone)
         order = np.argsort(keys[:n], kind="stable")
-        out = {"keys": keys[:n][order]}
+        out: dict[str, np.ndarray] = {"keys": keys[:n][order]}
         if weights is not None and accum is not None:
             out["weights"], out["accumulators"] = weights[:n][order], accum[:n][order]
         if meta is not None:
