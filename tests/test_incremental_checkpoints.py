@@ -27,7 +27,7 @@ from heterps_ray.runtime.checkpoint import (
 from heterps_ray.runtime.driver import train
 
 REPO = Path(__file__).resolve().parents[1]
-PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards (actors)
+PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
 TOTAL, STOP, EVERY = 12, 6, 2  # batches of the whole run, where the first part stops, checkpoint period
 
 
@@ -47,7 +47,9 @@ def _train_some(shard: PSShard, rng: np.random.Generator, steps: range, vocab: i
 
 
 @pytest.mark.parametrize(
-    "spec", [TableSpec(dim=4), TableSpec(dim=4, ttl=4), TableSpec(dim=4, admit_after=2, ttl=5)], ids=str
+    "spec",
+    [TableSpec(dim=4), TableSpec(dim=4, ttl=4), TableSpec(dim=4, admit_after=2, ttl=5)],
+    ids=["plain", "ttl", "admission-ttl"],
 )
 def test_a_chain_of_deltas_rebuilds_the_shard_exactly(tmp_path, spec):
     """Rows pushed, rows expired (TTL: removed keys) and keys waiting for admission all replay; a
@@ -109,9 +111,16 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
-def _job(dataset: Path, output: Path, full_every: int, keep: int = 2, ps_shards: int | None = None):
+def _job(
+    dataset: Path, output: Path, full_every: int, keep: int = 2, ps_shards: int | None = None, hosting="auto"
+):
     job = tiny_sync_job("incremental-test", dataset, output, EVERY)
-    runtime = {"checkpoint_full_every": full_every, "checkpoint_keep": keep, "ps_shards": ps_shards}
+    runtime = {
+        "checkpoint_full_every": full_every,
+        "checkpoint_keep": keep,
+        "ps_shards": ps_shards,
+        "ps_hosting": hosting,
+    }
     return job.model_copy(update={"runtime": job.runtime.model_copy(update=runtime)})
 
 
@@ -142,12 +151,19 @@ def _one_stage_plan(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, dataset, tmp_path):
+@pytest.fixture(scope="module")
+def whole(ray_local, dataset, tmp_path_factory):
+    """The uninterrupted run, every checkpoint full (kept, to compare a chain's rebuild with), its PS
+    shards hosted in the DataWorker."""
+    out = tmp_path_factory.mktemp("whole")
+    return train(_job(dataset, out, full_every=1, keep=10), load_plan(PLAN), steps=TOTAL, progress=False)
+
+
+def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, dataset, tmp_path, whole):
     plan = load_plan(PLAN)
-    # the uninterrupted run, every checkpoint full (kept, to compare the chain's rebuild with)
-    whole = train(_job(dataset, tmp_path / "whole", full_every=1, keep=10), plan, steps=TOTAL, progress=False)
+    whole_dir = Path(whole.output_dir)
     run = tmp_path / "chain"
-    train(_job(dataset, run, full_every=10), plan, steps=STOP, progress=False)
+    train(_job(dataset, run, full_every=10, hosting="actors"), plan, steps=STOP, progress=False)
     # retention: the newest two, and the full checkpoint they build on
     assert sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir()) == [f"step-{s:08d}" for s in (2, 4, 6)]
     newest = _manifest(_step(run, STOP))
@@ -161,21 +177,23 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     for i in range(2):
         shard = PSShard(i, 2, {"embedding": spec})
         shard.restore_chain([str(_step(run, s) / f"ps-shard-{i:05d}.npz") for s in (2, 4, 6)])
-        full = read_npz(_step(tmp_path / "whole", STOP) / f"ps-shard-{i:05d}.npz")
+        full = read_npz(_step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz")
         for name in ("keys", "weights", "accumulators"):
             np.testing.assert_array_equal(
                 shard.state()[f"sparse/embedding/{name}"], full[f"sparse/embedding/{name}"]
             )
         assert (_step(run, STOP) / f"ps-shard-{i:05d}.npz").stat().st_size < (
-            _step(tmp_path / "whole", STOP) / f"ps-shard-{i:05d}.npz"
+            _step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz"
         ).stat().st_size
     saved = tmp_path / "chain-at-6"
     shutil.copytree(run, saved)
 
-    resumed = train(_job(dataset, run, full_every=10), plan, steps=TOTAL, progress=False, resume=True)
+    resumed = train(
+        _job(dataset, run, full_every=10, hosting="actors"), plan, steps=TOTAL, progress=False, resume=True
+    )
     assert resumed.extra["resumed_from"]["step"] == STOP
     assert resumed.losses == whole.losses
-    _assert_same_model(tmp_path / "whole", run)
+    _assert_same_model(whole_dir, run)
     # the resumed run's checkpoints go on extending the chain it restored
     assert [link["id"] for link in _manifest(_step(run, TOTAL))["chain"]] == [
         f"step-{s:08d}" for s in (2, 4, 6, 8, 10)
@@ -191,7 +209,7 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     )
     assert moved.extra["resumed_from"]["plan_changed"] and moved.ps_shards == 3
     np.testing.assert_allclose(moved.losses, whole.losses, rtol=0, atol=1e-6)
-    dense_a, rows_a = _final_model(tmp_path / "whole")
+    dense_a, rows_a = _final_model(whole_dir)
     dense_b, rows_b = _final_model(saved)
     np.testing.assert_array_equal(rows_b["keys"], rows_a["keys"])
     np.testing.assert_allclose(rows_b["weights"], rows_a["weights"], rtol=0, atol=1e-6)
@@ -244,3 +262,22 @@ def test_a_bad_checkpoint_full_every_exits_2_naming_the_field(tmp_path, capsys):
         assert main(["train", str(tmp_path / "job.yaml"), "--plan", str(PLAN)]) == 2
         err = capsys.readouterr().err
         assert "field 'runtime.checkpoint_full_every'" in err and "Traceback" not in err
+
+
+def test_a_shard_dying_inside_a_delta_checkpoint_rolls_back_to_the_chain_before(
+    ray_local, dataset, tmp_path, whole
+):
+    """The PS shard dies writing the delta of step 6: that checkpoint never commits, every actor rolls
+    back to step 4 (a delta on step 2), and the run ends as the uninterrupted one."""
+    from fault_injection import PhaseKiller
+
+    killer = PhaseKiller("ps_shard", "checkpoint", "sigkill", at=4, flag_dir=str(tmp_path))
+    job = _job(dataset, tmp_path / "run", full_every=10, hosting="actors")
+    summary = train(job, load_plan(PLAN), steps=TOTAL, progress=False, on_chunk=killer)
+    (fault,) = summary.extra["faults"]
+    assert fault["rolled_back_to"] == 4 and fault["recovery_point"].endswith("step-00000004")
+    assert summary.losses == whole.losses
+    _assert_same_model(Path(whole.output_dir), tmp_path / "run")
+    assert [link["id"] for link in _manifest(_step(tmp_path / "run", TOTAL))["chain"]] == [
+        f"step-{s:08d}" for s in (2, 4, 6, 8, 10)
+    ]
