@@ -74,6 +74,11 @@ except ImportError as exc:  # pragma: no cover - a checkout whose extension was 
         "heterps_ray.ps._rows (the compiled row store) is not built: run `pip install -e .` "
         "(or `bash scripts/setup.sh`) in the repository; it needs a C compiler"
     ) from exc
+if not hasattr(_Rows, "track_changes"):  # pragma: no cover - built before incremental checkpoints
+    raise ImportError(
+        "heterps_ray.ps._rows was built from an older _rows.c: rebuild it with `pip install -e .` "
+        "(or `python setup.py build_ext --inplace`) in the repository"
+    )
 
 ADAGRAD_EPS = 1e-10  # same as torch.optim.Adagrad's default eps
 OPTIMIZERS = ("adagrad", "rowwise_adagrad")
