@@ -306,7 +306,17 @@ class RuntimeConfig(BaseModel):
         "(0 = not by time); with the checkpoint after the last batch, a fault or a driver death costs "
         "at most this much training",
     )
-    checkpoint_keep: int = Field(2, ge=1, description="the newest checkpoints kept (older ones are removed)")
+    checkpoint_keep: int = Field(
+        2,
+        ge=1,
+        description="the newest checkpoints kept (older ones are removed, unless a kept one builds on them)",
+    )
+    checkpoint_full_every: int = Field(
+        10,
+        ge=1,
+        description="every Nth checkpoint writes the PS tables whole; the ones between write only the rows "
+        "changed and the keys removed since the checkpoint before (1: every checkpoint is full)",
+    )
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
     )

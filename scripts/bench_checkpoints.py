@@ -10,10 +10,16 @@ Two parts, both on this machine, quiet (run it behind ../shared/bench/quiet.sh):
 2. **A table of `--table-rows` rows** (default 10M, dim 9): a PS shard filled through pulls of 512x26 new
    keys, then snapshot (what a checkpoint writes per shard) and restored, timed; the stall it costs at
    the default interval is snapshot seconds / (interval + snapshot seconds).
+3. **Incremental checkpoints** (`--incremental-rows`, default 0: skipped; dim `--incremental-dim`, 16): a
+   PS shard of that many rows, its full snapshot, then deltas after pushes to 1% and then 10% of its rows
+   (each delta holds the rows touched since the one before), each as a checkpoint writes it (npz, SHA-256,
+   fsync), timed and sized; then the full snapshot restored alone, and the chain full + 1% + 10% restored.
 
     ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_checkpoints.py --seconds 60 --rounds 2
+    .venv/bin/python scripts/bench_checkpoints.py --skip-train --table-rows 0 --incremental-rows 10000000 \
+        --output benchmarks/incremental_checkpoints.json
 
-Results: benchmarks/checkpoints.json; the table in BENCHMARKS.md "Reliability".
+Results: benchmarks/checkpoints.json; the tables in BENCHMARKS.md "Reliability" and "Incremental checkpoints".
 """
 
 from __future__ import annotations
@@ -94,6 +100,56 @@ def _table_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
     }
 
 
+def _incremental_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
+    from heterps_ray.ps.shard import PSShard, TableSpec
+
+    spec = {"embedding": TableSpec(dim=dim)}
+    shard = PSShard(0, 1, spec)
+    rng = np.random.default_rng(0)
+    keys = rng.integers(1, 1 << 62, size=rows, dtype=np.int64)
+    batch = 512 * 26
+    for start in range(0, rows, batch):
+        shard.pull("embedding", keys[start : start + batch])
+    out: dict[str, Any] = {"rows": shard.stats()["rows"]["embedding"], "dim": dim, "snapshots": []}
+
+    def snapshot(shard: PSShard, name: str, delta: bool) -> str:
+        path = work / f"{name}.npz"
+        t0 = time.perf_counter()
+        report = shard.snapshot(str(path), delta=delta)
+        seconds = time.perf_counter() - t0
+        shard.snapshot_durable()  # the checkpoint committed: the next delta is relative to it
+        out["snapshots"].append({"name": name, "seconds": seconds, "bytes": report["bytes"]})
+        print(f"{name}: {report['bytes'] / 1e6:,.1f} MB in {seconds:.3f} s", flush=True)
+        return str(path)
+
+    chain = [snapshot(shard, "full", False)]
+    for share in (0.01, 0.10):
+        touched = rng.choice(keys, size=int(share * rows), replace=False)
+        for start in range(0, len(touched), batch):  # a training step's pull and push
+            part = touched[start : start + batch]
+            shard.pull("embedding", part)
+            shard.push("embedding", part, rng.standard_normal((len(part), dim)).astype(np.float32))
+        chain.append(snapshot(shard, f"delta-{share:.0%}", True))
+    probe = rng.choice(keys, size=100_000, replace=False)
+    expected = shard.pull("embedding", probe, create=False)
+    del shard
+    gc.collect()
+    # alternating, three each: the first restore of a process also pays for its first page faults
+    for name, links in [("full", chain[:1]), ("chain", chain)] * 3:
+        fresh = PSShard(0, 1, spec)
+        t0 = time.perf_counter()
+        fresh.restore_chain(links)
+        out.setdefault(f"restore_{name}_s", []).append(time.perf_counter() - t0)
+        print(f"restore {name} ({len(links)} files): {out[f'restore_{name}_s'][-1]:.2f} s", flush=True)
+        # the chain rebuilds the shard: the same rows as before it was dropped
+        assert fresh.stats()["rows"]["embedding"] == out["rows"]
+        if name == "chain":
+            assert np.array_equal(fresh.pull("embedding", probe, create=False), expected)
+        del fresh
+        gc.collect()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="training seconds per run")
@@ -102,6 +158,8 @@ def main() -> None:
     parser.add_argument("--table-rows", type=int, default=10_000_000)
     parser.add_argument("--dim", type=int, default=9)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--incremental-rows", type=int, default=0)
+    parser.add_argument("--incremental-dim", type=int, default=16)
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "checkpoints.json")
     args = parser.parse_args()
 
@@ -132,7 +190,9 @@ def main() -> None:
                 )
         ray.shutdown()
         base = statistics.median(r["steady"] for r in results["runs"] if r["interval_s"] == 0)
-        print("\n| checkpoint_interval_s | steady samples/s (median) | vs none | checkpoints in loop | s each |")
+        print(
+            "\n| checkpoint_interval_s | steady samples/s (median) | vs none | checkpoints in loop | s each |"
+        )
         print("|---:|---:|---:|---:|---:|")
         for interval in intervals:
             runs = [r for r in results["runs"] if r["interval_s"] == interval]
@@ -150,6 +210,21 @@ def main() -> None:
             f"\ntable of {table['rows']:,} rows, dim {table['dim']}: snapshot {table['snapshot_s']:.1f} s "
             f"({table['bytes'] / 1e9:.2f} GB), restore {table['restore_s']:.1f} s; at the default 300 s "
             f"interval a checkpoint stalls training {stall:.1%}"
+        )
+    if args.incremental_rows:
+        inc = _incremental_part(args.incremental_rows, args.incremental_dim, work)
+        results["incremental"] = inc
+        full = inc["snapshots"][0]
+        print("\n| snapshot | bytes | seconds | size vs full | time vs full |")
+        print("|---|---:|---:|---:|---:|")
+        for snap in inc["snapshots"]:
+            print(
+                f"| {snap['name']} | {snap['bytes'] / 1e6:,.1f} MB | {snap['seconds']:.3f} | "
+                f"{full['bytes'] / snap['bytes']:.1f}x smaller | {full['seconds'] / snap['seconds']:.1f}x faster |"
+            )
+        print(
+            f"restore (alternating, median of 3): full {statistics.median(inc['restore_full_s']):.2f} s, "
+            f"chain full+1%+10% {statistics.median(inc['restore_chain_s']):.2f} s"
         )
     results["load_after"] = os.getloadavg()[0]
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,14 @@
  * multiply-add): initial rows from splitmix64 of (key, seed) as float64 then float32; gradients of
  * repeated keys summed in float64 in the order given; Adagrad in float32 as torch.optim.Adagrad.
  *
+ * Changes (incremental checkpoints): once recording is started (track_changes(0), at a table's
+ * first snapshot or restore; off before, so a job without checkpoints pays nothing), every write
+ * of a row (insert, push, counters) sets its bit in a dirty bitmap by row number, and every removed
+ * key (TTL, eviction, admission of a candidate) is appended to a log. A checkpoint takes them
+ * (track_changes(1): dirty bits move to `pending`, the log's entries so far are marked taken) and
+ * forgets them only once it is durable (track_changes(2)); a checkpoint that fails to be written
+ * leaves them pending, so the next one still carries them.
+ *
  * Arrays cross as buffers (no numpy headers needed to build): the Python side allocates the outputs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -80,6 +88,12 @@ typedef struct {
     uint64_t cap;    /* slots (power of two) */
     uint64_t removals; /* rows freed so far: a row number is stable while this stays the same */
     uint64_t ready;    /* rows < ready have their pages faulted in */
+    /* change recording (see the top of the file) */
+    int recording;
+    uint64_t *dirty, *pending; /* a bit per row number: written since the last take / taken, not durable */
+    size_t bit_words;          /* words of each bitmap: they cover every allocated segment */
+    int64_t *removed;          /* keys removed, in order; [0, ntaken) belong to the taken checkpoint */
+    size_t nremoved, ntaken, removed_cap;
 } store_t;
 
 static int store_init(store_t *s, int dim, int acc_w, int track) {
@@ -96,6 +110,9 @@ static int store_init(store_t *s, int dim, int acc_w, int track) {
 }
 
 static void store_free(store_t *s) {
+    free(s->dirty);
+    free(s->pending);
+    free(s->removed);
     for (size_t i = 0; i < s->nsegs; i++) big_free(s->segs[i], SEG_ROWS * s->row_bytes);
     free(s->segs);
     free(s->free_rows);
@@ -117,6 +134,27 @@ static inline uint32_t *row_meta(const store_t *s, uint32_t r) { /* [count, last
 }
 static inline float *row_w(const store_t *s, uint32_t r) { return (float *)(row_ptr(s, r) + s->w_off); }
 static inline float *row_acc(const store_t *s, uint32_t r) { return row_w(s, r) + s->dim; }
+
+/* row r was written (it is below the segments' end, which the bitmaps cover) */
+static inline void store_mark(store_t *s, uint32_t r) {
+    if (s->recording) s->dirty[r >> 6] |= (uint64_t)1 << (r & 63);
+}
+
+/* bitmaps covering `segs` segments (zero-extended) */
+static int store_bits_cover(store_t *s, size_t segs) {
+    size_t words = segs * (SEG_ROWS / 64);
+    if (words <= s->bit_words) return 0;
+    uint64_t *d = realloc(s->dirty, words * 8);
+    if (!d) return -1;
+    s->dirty = d;
+    uint64_t *p = realloc(s->pending, words * 8);
+    if (!p) return -1;
+    s->pending = p;
+    memset(d + s->bit_words, 0, (words - s->bit_words) * 8);
+    memset(p + s->bit_words, 0, (words - s->bit_words) * 8);
+    s->bit_words = words;
+    return 0;
+}
 
 static size_t store_nbytes(const store_t *s) {
     /* allocated segments count whole, except the last one: only its used rows are touched */
@@ -206,6 +244,7 @@ static int store_add_segment(store_t *s) {
         s->segs = segs;
         s->segs_cap = c;
     }
+    if (s->recording && store_bits_cover(s, s->nsegs + 1) < 0) return -1;
     char *seg = big_alloc(SEG_ROWS * s->row_bytes, 0);
     if (!seg) return -1;
     s->segs[s->nsegs++] = seg;
@@ -247,6 +286,7 @@ static uint32_t store_add(store_t *s, int64_t key, uint64_t slot) {
     s->slots[slot] = r + 1;
     s->tags[slot] = tag_of(mix64((uint64_t)key));
     s->live++;
+    store_mark(s, r);
     return r;
 }
 
@@ -275,6 +315,16 @@ static int store_remove_slot(store_t *s, uint64_t slot) {
         if (!f) return -1;
         s->free_rows = f;
         s->free_cap = c;
+    }
+    if (s->recording) {
+        if (s->nremoved == s->removed_cap) {
+            size_t c = s->removed_cap ? 2 * s->removed_cap : 1024;
+            int64_t *k = realloc(s->removed, c * sizeof(int64_t));
+            if (!k) return -1;
+            s->removed = k;
+            s->removed_cap = c;
+        }
+        s->removed[s->nremoved++] = row_key(s, r);
     }
     s->free_rows[s->nfree++] = r;
     s->removals++;
@@ -519,6 +569,7 @@ static int resolve(Rows *t, const int64_t *keys, int64_t n, int create, uint32_t
                 uint32_t *m = row_meta(&t->rows, r);
                 if (m[0] < UINT32_MAX) m[0]++;
                 m[1] = t->step;
+                store_mark(&t->rows, r);
             }
             row[i] = r;
             continue;
@@ -535,11 +586,13 @@ static int resolve(Rows *t, const int64_t *keys, int64_t n, int create, uint32_t
                 row_meta(&t->cand, c)[0] = 0 + 1; /* expired: counting starts again */
                 row_meta(&t->cand, c)[1] = t->step;
                 count = 1;
+                store_mark(&t->cand, c);
             } else if (c != NO_ROW) {
                 uint32_t *m = row_meta(&t->cand, c);
                 count = m[0] + 1;
                 m[0] = count;
                 m[1] = t->step;
+                store_mark(&t->cand, c);
             }
             if (count < t->admit_after) {
                 if (c == NO_ROW) {
@@ -754,6 +807,7 @@ static PyObject *Rows_push(Rows *t, PyObject *args) {
             for (size_t b = 0; b < t->rows.row_bytes; b += 64) __builtin_prefetch(p + b, 1);
         }
         adagrad(t, r, gs + (size_t)i * dim);
+        store_mark(&t->rows, r);
         applied++;
     }
     PyBuffer_Release(&kb);
@@ -864,6 +918,169 @@ static PyObject *Rows_load(Rows *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Changes since the last durable checkpoint                                                     */
+
+static int store_track_start(store_t *s) {
+    if (store_bits_cover(s, s->nsegs ? s->nsegs : 1) < 0) return -1;
+    memset(s->dirty, 0, s->bit_words * 8);
+    memset(s->pending, 0, s->bit_words * 8);
+    s->nremoved = s->ntaken = 0;
+    s->recording = 1;
+    return 0;
+}
+
+static uint64_t store_take(store_t *s) { /* -> rows pending (live or not) */
+    uint64_t n = 0;
+    for (size_t i = 0; i < s->bit_words; i++) {
+        s->pending[i] |= s->dirty[i];
+        s->dirty[i] = 0;
+        n += (uint64_t)__builtin_popcountll(s->pending[i]);
+    }
+    s->ntaken = s->nremoved;
+    return n;
+}
+
+static void store_commit(store_t *s) {
+    memset(s->pending, 0, s->bit_words * 8);
+    memmove(s->removed, s->removed + s->ntaken, (s->nremoved - s->ntaken) * sizeof(int64_t));
+    s->nremoved -= s->ntaken;
+    s->ntaken = 0;
+}
+
+/* track_changes(op): 0 start recording (what the table holds now is the base), 1 take the changes
+ * for a checkpoint -> (rows, removed, candidate rows, candidate removed) as upper bounds of what
+ * export_changes writes, 2 the taken checkpoint is durable: forget its changes */
+static PyObject *Rows_track_changes(Rows *t, PyObject *args) {
+    int op;
+    if (!PyArg_ParseTuple(args, "i", &op)) return NULL;
+    if (op == 0) {
+        if (store_track_start(&t->rows) < 0 || store_track_start(&t->cand) < 0) return PyErr_NoMemory();
+        Py_RETURN_NONE;
+    }
+    if (!t->rows.recording) {
+        PyErr_SetString(PyExc_RuntimeError, "changes are not recorded (no snapshot or restore yet)");
+        return NULL;
+    }
+    if (op == 1) {
+        uint64_t a = store_take(&t->rows), b = store_take(&t->cand);
+        return Py_BuildValue("(KnKn)", (unsigned long long)a, (Py_ssize_t)t->rows.ntaken, (unsigned long long)b,
+                             (Py_ssize_t)t->cand.ntaken);
+    }
+    if (op == 2) {
+        store_commit(&t->rows);
+        store_commit(&t->cand);
+        Py_RETURN_NONE;
+    }
+    PyErr_SetString(PyExc_ValueError, "op must be 0 (start), 1 (take) or 2 (commit)");
+    return NULL;
+}
+
+/* export_changes(which, keys int64[m], weights | None, acc | None, meta uint32[m, 2] | None,
+ *                removed int64[k]) -> rows written: the live rows among the pending ones (m: the
+ *                bound track_changes(1) gave) and the taken removed keys (k: exactly as given) */
+static PyObject *Rows_export_changes(Rows *t, PyObject *args) {
+    int which;
+    PyObject *ko, *wo, *ao, *mo, *ro;
+    if (!PyArg_ParseTuple(args, "iOOOOO", &which, &ko, &wo, &ao, &mo, &ro)) return NULL;
+    store_t *s = which ? &t->cand : &t->rows;
+    Py_buffer kb, wb = {0}, ab = {0}, mb = {0}, rb = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    int64_t m = kb.len / 8;
+    int ok = 1;
+    if (wo != Py_None && get_buf(wo, &wb, 1, 4 * (Py_ssize_t)s->dim, m, "weights") < 0) ok = 0;
+    if (ok && ao != Py_None && get_buf(ao, &ab, 1, 4 * (Py_ssize_t)s->acc_w, m, "accumulators") < 0) ok = 0;
+    if (ok && mo != Py_None && get_buf(mo, &mb, 1, 8, m, "meta") < 0) ok = 0;
+    if (ok && get_buf(ro, &rb, 1, 8, (Py_ssize_t)s->ntaken, "removed") < 0) ok = 0;
+    int64_t j = 0;
+    if (ok) {
+        memcpy(rb.buf, s->removed, s->ntaken * sizeof(int64_t));
+        for (size_t w = 0; w < s->bit_words; w++) {
+            for (uint64_t bits = s->pending[w]; bits; bits &= bits - 1) {
+                uint64_t r64 = w * 64 + (uint64_t)__builtin_ctzll(bits);
+                if (r64 >= s->top) break;
+                uint32_t r = (uint32_t)r64, found;
+                if (s->track && !row_meta(s, r)[0]) continue; /* freed since */
+                int64_t key = row_key(s, r);
+                store_find(s, key, &found);
+                if (found != r) continue; /* freed since (an untracked store, or a key moved) */
+                if (j >= m) {
+                    PyErr_SetString(PyExc_ValueError, "more changed rows than the bound given");
+                    ok = 0;
+                    break;
+                }
+                ((int64_t *)kb.buf)[j] = key;
+                if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
+                if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
+                if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
+                j++;
+            }
+            if (!ok) break;
+        }
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (!ok) return NULL;
+    return PyLong_FromLongLong(j);
+}
+
+/* apply(which, keys int64[n], weights | None, acc | None, meta uint32[n, 2] | None, removed int64[k]):
+ * a checkpoint's changes onto the store: the removed keys go, then each row is set (added if absent) */
+static PyObject *Rows_apply(Rows *t, PyObject *args) {
+    int which;
+    PyObject *ko, *wo, *ao, *mo, *ro;
+    if (!PyArg_ParseTuple(args, "iOOOOO", &which, &ko, &wo, &ao, &mo, &ro)) return NULL;
+    store_t *s = which ? &t->cand : &t->rows;
+    Py_buffer kb, rb, wb = {0}, ab = {0}, mb = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    t->last_n = -1;
+    int64_t n = kb.len / 8, k = rb.len / 8;
+    int ok = 1;
+    if (wo != Py_None && get_buf(wo, &wb, 0, 4 * (Py_ssize_t)s->dim, n, "weights") < 0) ok = 0;
+    if (ok && ao != Py_None && get_buf(ao, &ab, 0, 4 * (Py_ssize_t)s->acc_w, n, "accumulators") < 0) ok = 0;
+    if (ok && mo != Py_None && get_buf(mo, &mb, 0, 8, n, "meta") < 0) ok = 0;
+    for (int64_t i = 0; ok && i < k; i++)
+        if (store_remove_key(s, ((const int64_t *)rb.buf)[i]) < 0) ok = 0;
+    if (ok && store_reserve(s, (uint64_t)n) < 0) ok = 0;
+    if (!ok && !PyErr_Occurred()) PyErr_NoMemory();
+    for (int64_t j = 0; ok && j < n; j++) {
+        int64_t key = ((const int64_t *)kb.buf)[j];
+        uint32_t r;
+        uint64_t slot = store_find(s, key, &r);
+        if (r == NO_ROW) r = store_add(s, key, slot);
+        if (r == NO_ROW) {
+            PyErr_NoMemory();
+            ok = 0;
+            break;
+        }
+        if (wb.buf) memcpy(row_w(s, r), (const float *)wb.buf + (size_t)j * s->dim, 4 * (size_t)s->dim);
+        if (ab.buf) memcpy(row_acc(s, r), (const float *)ab.buf + (size_t)j * s->acc_w, 4 * (size_t)s->acc_w);
+        if (s->track) {
+            uint32_t *m = row_meta(s, r);
+            if (mb.buf) memcpy(m, (const uint32_t *)mb.buf + 2 * (size_t)j, 8);
+            else {
+                m[0] = 1;
+                m[1] = t->step;
+            }
+            if (!m[0]) m[0] = 1; /* count 0 marks a free row */
+        }
+    }
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&rb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* expire(): drop expired rows and candidates now (lookups already ignore them) -> rows dropped */
 static PyObject *Rows_expire(Rows *t, PyObject *Py_UNUSED(ignored)) {
     int64_t a = store_expire(&t->rows, t->step, t->ttl);
@@ -874,12 +1091,13 @@ static PyObject *Rows_expire(Rows *t, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Rows_info(Rows *t, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{s:K,s:K,s:n,s:n,s:I,s:L,s:L,s:L,s:n}", "rows", (unsigned long long)t->rows.live,
+    return Py_BuildValue("{s:K,s:K,s:n,s:n,s:I,s:L,s:L,s:L,s:n,s:n}", "rows", (unsigned long long)t->rows.live,
                          "candidates", (unsigned long long)t->cand.live, "bytes",
                          (Py_ssize_t)(store_nbytes(&t->rows) + (t->admit_after > 1 ? store_nbytes(&t->cand) : 0)),
                          "row_bytes", (Py_ssize_t)t->rows.row_bytes, "step", t->step, "admitted",
                          (long long)t->admitted, "expired", (long long)t->expired, "evicted",
-                         (long long)t->evicted, "index_slots", (Py_ssize_t)t->rows.cap);
+                         (long long)t->evicted, "index_slots", (Py_ssize_t)t->rows.cap, "recording",
+                         (Py_ssize_t)t->rows.recording);
 }
 
 /* set_clock(step): the step of the last creating pull (a state's, when one is loaded) */
@@ -975,6 +1193,10 @@ static PyMethodDef Rows_methods[] = {
     {"expire", (PyCFunction)Rows_expire, METH_NOARGS, "drop expired rows -> count"},
     {"info", (PyCFunction)Rows_info, METH_NOARGS, "sizes and counters"},
     {"set_clock", (PyCFunction)Rows_set_clock, METH_VARARGS, "set_clock(step)"},
+    {"track_changes", (PyCFunction)Rows_track_changes, METH_VARARGS, "track_changes(0 start | 1 take | 2 commit)"},
+    {"export_changes", (PyCFunction)Rows_export_changes, METH_VARARGS,
+     "export_changes(which, keys, weights, acc, meta, removed) -> rows written"},
+    {"apply", (PyCFunction)Rows_apply, METH_VARARGS, "apply(which, keys, weights, acc, meta, removed)"},
     {NULL, NULL, 0, NULL},
 };
 

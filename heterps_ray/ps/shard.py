@@ -301,30 +301,23 @@ class PSShard(Reusable):
         self.faults.reached("save")
         return self._state()
 
-    def _state(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {
-            "shard/index": np.array(self.index, dtype=np.int64),
-            "shard/num_shards": np.array(self.num_shards, dtype=np.int64),
-        }
-        for name, table in self._tables.items():
-            for k, v in table.state().items():
-                out[f"sparse/{name}/{k}"] = v
-        for name, dense in self._dense.items():
-            out.update(dense.state(f"dense/{name}"))
-        for worker, counts in self._applied.items():
-            out[f"applied/{worker}"] = counts.copy()
-        return out
-
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Restore a :meth:`state` of a shard with the same index and shard count."""
+        self._check_owner(state)
+        for name, table in self._tables.items():
+            prefix = f"sparse/{name}/"
+            table.load_state({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        self._load_rest(state)
+
+    def _check_owner(self, state: dict[str, np.ndarray]) -> None:
         if int(state["shard/index"]) != self.index or int(state["shard/num_shards"]) != self.num_shards:
             raise ValueError(
                 f"state is of shard {int(state['shard/index'])}/{int(state['shard/num_shards'])}, "
                 f"not {self.index}/{self.num_shards}"
             )
-        for name, table in self._tables.items():
-            prefix = f"sparse/{name}/"
-            table.load_state({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def _load_rest(self, state: dict[str, np.ndarray]) -> None:
+        """Dense tables and applied counts (whole in every snapshot, delta or full)."""
         for name, dense in self._dense.items():
             dense.load_state(f"dense/{name}", state)
         self._applied = {
@@ -333,12 +326,33 @@ class PSShard(Reusable):
             if k.startswith("applied/")
         }
 
-    def snapshot(self, path: str) -> dict[str, Any]:
-        """Write :meth:`state` to `path` as an .npz, atomically (temporary file, fsync, rename), and
-        report what was written where: the file, its SHA-256 and size, and the Ray node and host that
-        wrote it (the driver cannot hash a file on another node's disk; the manifest lists these)."""
+    def _state(self, snapshot: bool = False, delta: bool = False) -> dict[str, np.ndarray]:
+        """:meth:`state`; with `snapshot` what a checkpoint writes, which takes the tables' changes
+        (:meth:`SparseTable.snapshot_state`): with `delta` only the sparse rows changed since the last
+        durable snapshot (dense tables and applied counts are small: whole in every snapshot)."""
+        out: dict[str, np.ndarray] = {
+            "shard/index": np.array(self.index, dtype=np.int64),
+            "shard/num_shards": np.array(self.num_shards, dtype=np.int64),
+        }
+        if delta:
+            out["shard/delta"] = np.array(1, dtype=np.int64)
+        for name, table in self._tables.items():
+            for k, v in (table.snapshot_state(delta) if snapshot else table.state()).items():
+                out[f"sparse/{name}/{k}"] = v
+        for name, dense in self._dense.items():
+            out.update(dense.state(f"dense/{name}"))
+        for worker, counts in self._applied.items():
+            out[f"applied/{worker}"] = counts.copy()
+        return out
+
+    def snapshot(self, path: str, delta: bool = False) -> dict[str, Any]:
+        """Write :meth:`state` (or with `delta` only what changed since the last durable snapshot or
+        restore) to `path` as an .npz, atomically (temporary file, fsync, rename), and report what was
+        written where: the file, its SHA-256 and size, and the Ray node and host that wrote it (the
+        driver cannot hash a file on another node's disk; the manifest lists these). The changes stay
+        pending until :meth:`snapshot_durable`."""
         self.faults.reached("checkpoint")
-        data = npz_bytes(path, self._state())
+        data = npz_bytes(path, self._state(snapshot=True, delta=delta))
         write_bytes_atomic(path, data)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
@@ -347,18 +361,42 @@ class PSShard(Reusable):
             "bytes": len(data),
             "node": node,
             "host": socket.gethostname(),
+            "kind": "delta" if delta else "full",
         }
 
+    def snapshot_durable(self) -> None:
+        """The checkpoint of the last :meth:`snapshot` is committed: the next delta is relative to it."""
+        for table in self._tables.values():
+            table.snapshot_durable()
+
     def restore(self, path: str) -> None:
-        """Load a :meth:`snapshot` file (a DataError naming it if it is truncated, corrupted or not
-        a snapshot of this shard)."""
-        state = read_npz(path)
-        try:
-            self.load_state(state)
-        except (KeyError, ValueError) as exc:
-            raise DataError(
-                f"{path}: not a snapshot of PS shard {self.index}/{self.num_shards} ({exc!r})"
-            ) from None
+        """Load a full :meth:`snapshot` file (a DataError naming it if it is truncated, corrupted or
+        not a snapshot of this shard)."""
+        self.restore_chain([path])
+
+    def restore_chain(self, paths: list[str]) -> None:
+        """Load a full :meth:`snapshot` and replay the delta snapshots after it, in order (a
+        DataError naming the file that is truncated, corrupted, or not the link it should be)."""
+        for i, path in enumerate(paths):
+            state = read_npz(path)
+            try:
+                if bool(int(state.get("shard/delta", 0))) != (i > 0):
+                    raise ValueError("a full snapshot first, then deltas" if i else "a full snapshot")
+                if i == 0:
+                    self.load_state(state)
+                else:
+                    self._apply_delta(state)
+            except (KeyError, ValueError) as exc:
+                raise DataError(
+                    f"{path}: not a snapshot of PS shard {self.index}/{self.num_shards} ({exc!r})"
+                ) from None
+
+    def _apply_delta(self, state: dict[str, np.ndarray]) -> None:
+        self._check_owner(state)
+        for name, table in self._tables.items():
+            prefix = f"sparse/{name}/"
+            table.apply_changes({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        self._load_rest(state)
 
 
 def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list[dict[str, np.ndarray]]:

@@ -48,6 +48,12 @@ Counters and the clock are part of :meth:`state` (keys ``counts``, ``last_seen``
 ``candidate_*``) only when a table tracks keys, so a table with all of it off has exactly the state
 it always had.
 
+Changes (incremental checkpoints): from a table's first snapshot or restore on, the row store keeps
+a dirty bit per row and a log of removed keys. :meth:`snapshot_state` takes them (a full state, or
+with ``delta=True`` only the rows written and the keys removed since the last durable snapshot);
+:meth:`snapshot_durable` forgets them once the checkpoint is committed, so a snapshot that is never
+committed leaves its rows to the next one. :meth:`apply_changes` replays a delta onto a table.
+
 Example::
 
     table = SparseTable(dim=9, seed=0, lr=0.05, init_accumulator=0.1, init_scale=0.01)
@@ -68,6 +74,11 @@ except ImportError as exc:  # pragma: no cover - a checkout whose extension was 
         "heterps_ray.ps._rows (the compiled row store) is not built: run `pip install -e .` "
         "(or `bash scripts/setup.sh`) in the repository; it needs a C compiler"
     ) from exc
+if not hasattr(_Rows, "track_changes"):  # pragma: no cover - built before incremental checkpoints
+    raise ImportError(
+        "heterps_ray.ps._rows was built from an older _rows.c: rebuild it with `pip install -e .` "
+        "(or `python setup.py build_ext --inplace`) in the repository"
+    )
 
 ADAGRAD_EPS = 1e-10  # same as torch.optim.Adagrad's default eps
 OPTIMIZERS = ("adagrad", "rowwise_adagrad")
@@ -259,6 +270,79 @@ class SparseTable:
             out["candidate_counts"], out["candidate_last_seen"] = cmeta[corder, 0], cmeta[corder, 1]
         return out
 
+    def snapshot_state(self, delta: bool = False) -> dict[str, np.ndarray]:
+        """What a checkpoint writes of this table: :meth:`state`, or with `delta` the changes since
+        the last durable snapshot or restore: the rows written (their whole :meth:`state` fields),
+        ``removed_keys`` (keys gone and not back), the clock, and the same for the keys waiting for
+        admission (``candidate_*``). The changes stay pending until :meth:`snapshot_durable`."""
+        if not self._rows.info()["recording"]:
+            if delta:
+                raise ValueError("a delta snapshot needs an earlier snapshot or restore to be relative to")
+            self._rows.track_changes(0)  # from now on: what the checkpoint below holds is the base
+            return self.state()
+        rows, removed, cand_rows, cand_removed = self._rows.track_changes(1)
+        if not delta:
+            return self.state()
+        out = self._changes(0, rows, removed)
+        if self.tracked:
+            out["step"] = np.array(self._step, dtype=np.int64)
+        if self.admit_after > 1:
+            cand = self._changes(1, cand_rows, cand_removed)
+            out.update({f"candidate_{k}": v for k, v in cand.items()})
+        return out
+
+    def _changes(self, which: int, bound: int, removed: int) -> dict[str, np.ndarray]:
+        rows = which == 0
+        keys = np.empty(bound, dtype=np.int64)
+        weights = np.empty((bound, self.dim), dtype=np.float32) if rows else None
+        accum = np.empty((bound, self._acc_width), dtype=np.float32) if rows else None
+        meta = np.empty((bound, 2), dtype=np.uint32) if self.tracked or not rows else None
+        gone = np.empty(removed, dtype=np.int64)
+        n = self._rows.export_changes(which, keys, weights, accum, meta, gone)
+        order = np.argsort(keys[:n], kind="stable")
+        out: dict[str, np.ndarray] = {"keys": keys[:n][order]}
+        if weights is not None and accum is not None:
+            out["weights"], out["accumulators"] = weights[:n][order], accum[:n][order]
+        if meta is not None:
+            out["counts"], out["last_seen"] = meta[:n, 0][order], meta[:n, 1][order]
+        # a key removed and then back is in `keys`; removed twice, it is listed once
+        out["removed_keys"] = np.setdiff1d(gone, out["keys"])
+        return out
+
+    def snapshot_durable(self) -> None:
+        """The last :meth:`snapshot_state` is committed: its changes are no longer pending."""
+        if self._rows.info()["recording"]:
+            self._rows.track_changes(2)
+
+    def apply_changes(self, delta: dict[str, Any]) -> None:
+        """Replay a ``snapshot_state(delta=True)`` onto this table (which holds the state it was
+        relative to); then what it holds is the base of the next delta."""
+        n = len(delta["keys"])
+        meta = None
+        if self.tracked and "counts" in delta:
+            meta = np.ascontiguousarray(
+                np.stack([delta["counts"], delta["last_seen"]], axis=1), dtype=np.uint32
+            )
+        if "step" in delta:
+            self._step = int(delta["step"])
+            self._rows.set_clock(self._step)
+        self._rows.apply(
+            0,
+            np.ascontiguousarray(delta["keys"], dtype=np.int64),
+            np.ascontiguousarray(delta["weights"], dtype=np.float32).reshape(n, self.dim),
+            np.ascontiguousarray(delta["accumulators"], dtype=np.float32).reshape(n, self._acc_width),
+            meta,
+            np.ascontiguousarray(delta["removed_keys"], dtype=np.int64),
+        )
+        if self.admit_after > 1 and "candidate_keys" in delta:
+            ckeys = np.ascontiguousarray(delta["candidate_keys"], dtype=np.int64)
+            cmeta = np.ascontiguousarray(
+                np.stack([delta["candidate_counts"], delta["candidate_last_seen"]], axis=1), dtype=np.uint32
+            ).reshape(len(ckeys), 2)
+            removed = np.ascontiguousarray(delta["candidate_removed_keys"], dtype=np.int64)
+            self._rows.apply(1, ckeys, None, None, cmeta, removed)
+        self._rows.track_changes(0)
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the contents with a :meth:`state` (keys must be distinct). Counters missing from
         it (a state of an untracked table) start at one pull, seen at the state's step."""
@@ -287,3 +371,4 @@ class SparseTable:
                     dtype=np.uint32,
                 )
             self._rows.load(1, ckeys, None, None, cmeta)
+        self._rows.track_changes(0)  # a restored state is the base of the next delta

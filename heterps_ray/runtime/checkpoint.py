@@ -90,8 +90,15 @@ def write_manifest(directory: Path, info: dict[str, Any]) -> Path:
 
 
 def verify_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of `directory` once every file it lists is present with its SHA-256; else DataError."""
+    """The manifest of `directory` once every file it lists is present with its SHA-256, and, for an
+    incremental training checkpoint, every earlier link of its chain too; else DataError."""
     directory = Path(directory)
+    manifest = _verify_files(directory)
+    _verify_chain(directory, manifest)
+    return manifest
+
+
+def _verify_files(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -133,6 +140,39 @@ def _verify_shards(directory: Path, path: Path, manifest: dict[str, Any]) -> Non
             raise DataError(
                 f"{file}: PS shard snapshot {writer} differs from its SHA-256 (truncated or corrupted)"
             )
+
+
+def _verify_chain(directory: Path, manifest: dict[str, Any]) -> None:
+    """An incremental checkpoint's earlier links (``chain``: the full snapshot first, then the deltas
+    it builds on): each present, its manifest with the SHA-256 recorded here, its own files intact."""
+    path = directory / MANIFEST
+    links = manifest.get("chain") or []
+    if not isinstance(links, list):
+        raise DataError(f"{path}: 'chain' is not a list of links")
+    for i, entry in enumerate(links):
+        link = inside(directory.parent, str(entry.get("id", "")), source=path, field=f"chain[{i}]")
+        what = f"link {i + 1} of the chain of {directory.name} ({'full' if i == 0 else 'delta'})"
+        if not (link / MANIFEST).is_file():
+            raise DataError(f"{link}: {what} is missing; the incremental checkpoint cannot be rebuilt")
+        if sha256_of(link / MANIFEST) != entry.get("sha256"):
+            raise DataError(f"{link / MANIFEST}: {what} differs from its SHA-256 in {path}")
+        kind = _verify_files(link).get("kind", "full")
+        if kind != ("full" if i == 0 else "delta"):
+            raise DataError(f"{link / MANIFEST}: {what} is a {kind} checkpoint")
+
+
+def chain_of(directory: Path) -> list[Path]:
+    """The checkpoint directories to load, in order, to rebuild `directory`: its chain's full
+    snapshot, the deltas after it, and `directory` itself (just `directory` for a full checkpoint)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    return [directory.parent / entry["id"] for entry in manifest.get("chain") or []] + [directory]
+
+
+def chain_links(directory: Path) -> list[dict[str, str]]:
+    """The ``chain`` of a delta that builds on `directory`: its own chain and `directory` itself,
+    each link as its directory name and the SHA-256 of its manifest."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    return [*(manifest.get("chain") or []), {"id": directory.name, "sha256": sha256_of(directory / MANIFEST)}]
 
 
 def _fresh_tmp_dir(directory: Path) -> Path:
@@ -261,12 +301,23 @@ def begin_training_checkpoint(output_dir: str | Path, step: int) -> Path:
 def commit_training_checkpoint(
     tmp: Path, output_dir: str | Path, step: int, info: dict[str, Any], keep: int = 2
 ) -> Path:
-    """Write the manifest, rename `tmp` to checkpoints/step-XXXXXXXX and keep the newest `keep`."""
+    """Write the manifest, rename `tmp` to checkpoints/step-XXXXXXXX and keep the newest `keep`, with
+    every earlier link their chains need (``info["chain"]`` of an incremental checkpoint)."""
     final = step_dir(output_dir, step)
     write_manifest(tmp, {"step": step, **info})
     _swap_in(tmp, final)
-    for old in sorted(final.parent.glob("step-*"))[:-keep]:
-        shutil.rmtree(old)
+    existing = sorted(final.parent.glob("step-*"))
+    needed = {p.name for p in existing[-keep:]}
+    for kept in existing[-keep:]:
+        try:
+            needed.update(
+                str(link["id"]) for link in json.loads((kept / MANIFEST).read_text()).get("chain") or []
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged checkpoint: resuming skips it, so it protects nothing
+    for old in existing:
+        if old.name not in needed:
+            shutil.rmtree(old)
     return final
 
 

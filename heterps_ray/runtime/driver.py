@@ -164,6 +164,7 @@ def train(
                 rt.checkpoint_every,
                 rt.checkpoint_interval_s,
                 rt.checkpoint_keep,
+                rt.checkpoint_full_every,
             )
             if save
             else None

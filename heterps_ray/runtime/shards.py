@@ -22,9 +22,11 @@ from heterps_ray.ps.shard import PSShard
 class ShardHandle(Protocol):
     """One PS shard for the driver: snapshots, state, counts and the fence of a recovery."""
 
-    def snapshot(self, path: str) -> Any: ...
+    def snapshot(self, path: str, delta: bool = False) -> Any: ...
 
-    def restore(self, path: str) -> Any: ...
+    def snapshot_durable(self) -> Any: ...
+
+    def restore_chain(self, paths: list[str]) -> Any: ...
 
     def state(self) -> Any: ...
 
@@ -43,11 +45,14 @@ class RemoteShard:
     def __init__(self, actor: Any):
         self.actor = actor
 
-    def snapshot(self, path: str) -> Any:
-        return self.actor.snapshot.remote(path)
+    def snapshot(self, path: str, delta: bool = False) -> Any:
+        return self.actor.snapshot.remote(path, delta)
 
-    def restore(self, path: str) -> Any:
-        return self.actor.restore.remote(path)
+    def snapshot_durable(self) -> Any:
+        return self.actor.snapshot_durable.remote()
+
+    def restore_chain(self, paths: list[str]) -> Any:
+        return self.actor.restore_chain.remote(paths)
 
     def state(self) -> Any:
         return self.actor.state.remote()
@@ -74,11 +79,14 @@ class HostedShard:
     def _on(self, call: Callable[[PSShard], Any]) -> Any:
         return self.host().on_shard.remote(self.index, call)
 
-    def snapshot(self, path: str) -> Any:
-        return self._on(lambda shard: shard.snapshot(path))
+    def snapshot(self, path: str, delta: bool = False) -> Any:
+        return self._on(lambda shard: shard.snapshot(path, delta))
 
-    def restore(self, path: str) -> Any:
-        return self._on(lambda shard: shard.restore(path))
+    def snapshot_durable(self) -> Any:
+        return self._on(PSShard.snapshot_durable)
+
+    def restore_chain(self, paths: list[str]) -> Any:
+        return self._on(lambda shard: shard.restore_chain(paths))
 
     def state(self) -> Any:
         return self._on(PSShard.state)

@@ -5,6 +5,13 @@ state by layer name, PS rows re-sharded, async dense weights moved between worke
 
 The recovery point before the first checkpoint is the run's start, kept in memory
 (:meth:`StateStore.capture`); both kinds of source restore through the same :meth:`StateStore.roll_back`.
+
+Checkpoints are incremental (``runtime.checkpoint_full_every`` = K): every K-th is a full one, the
+ones between hold, per PS shard, only the rows changed and the keys removed since the one before
+(the rest of the state, dense weights and data positions, is small and whole in each). A delta's
+manifest lists its chain (checkpoint.py); restoring one replays the chain's full snapshot and its
+deltas in order. A delta is written only relative to :attr:`StateStore.base`, the checkpoint the
+shards hold since they committed or restored it; any other restore makes the next checkpoint full.
 """
 
 from __future__ import annotations
@@ -20,16 +27,19 @@ import ray
 
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
-from heterps_ray.ps.shard import reshard_states
+from heterps_ray.ps.shard import PSShard, reshard_states
 from heterps_ray.runtime.actors import READY_TIMEOUT_S, ActorSet
 from heterps_ray.runtime.checkpoint import (
     MANIFEST,
     begin_training_checkpoint,
+    chain_links,
+    chain_of,
     commit_training_checkpoint,
     jsonable,
     latest_training_checkpoint,
 )
 from heterps_ray.runtime.modes import mode_of
+from heterps_ray.runtime.sparse import SPARSE_TABLE
 from heterps_ray.runtime.stage import dense_table_name
 
 # A recovery source: a checkpoint directory, or the in-memory start state of StateStore.capture.
@@ -46,13 +56,17 @@ class StateStore:
     def __init__(self, actors: ActorSet):
         self.actors = actors
         self._remapped: set[Path] = set()  # async checkpoints of another plan (restored by layer name)
+        # the checkpoint the PS shards hold since they committed or restored it: what a delta is
+        # relative to (None: the next checkpoint is full)
+        self.base: Path | None = None
 
-    def write(self, tmp: Path) -> list[dict[str, Any]]:
-        """Between chunks (sparse pushes settled, optimizers stepped): every actor's state into `tmp`.
-        Returns each PS shard's report of its snapshot (file, SHA-256, node), for the manifest."""
+    def write(self, tmp: Path, delta: bool = False) -> list[dict[str, Any]]:
+        """Between chunks (sparse pushes settled, optimizers stepped): every actor's state into `tmp`,
+        the PS shards' rows whole or, with `delta`, those changed since :attr:`base`. Returns each PS
+        shard's report of its snapshot (file, SHA-256, node), for the manifest."""
         actors = self.actors
         ray.get(actors.mode.settle_dense([w for r in actors.stage_workers for w in r]))
-        snapshots = [s.snapshot(str(tmp / shard_file(i))) for i, s in enumerate(actors.shards)]
+        snapshots = [s.snapshot(str(tmp / shard_file(i)), delta) for i, s in enumerate(actors.shards)]
         try:
             owners = actors.trained_actors()
             for name, state in zip(
@@ -65,6 +79,11 @@ class StateStore:
             # caller removes it, so that none of them fails on a vanished directory.
             ray.wait(snapshots, num_returns=len(snapshots), timeout=READY_TIMEOUT_S)
             raise
+
+    def durable(self, checkpoint: Path) -> None:
+        """`checkpoint` (just written by :meth:`write`) is committed: the next delta builds on it."""
+        ray.get([s.snapshot_durable() for s in self.actors.shards])
+        self.base = checkpoint
 
     def capture(self) -> dict[str, Any]:
         """The run's start state in memory (PS shards are still nearly empty): the recovery point
@@ -89,6 +108,7 @@ class StateStore:
 
     def roll_back_shards(self, source: Source) -> None:
         actors = self.actors
+        self.base = None
         if isinstance(source, dict):
             ray.get([s.load_state(st) for s, st in zip(actors.shards, source["shards"], strict=True)])
             return
@@ -96,12 +116,31 @@ class StateStore:
             states = self._remapped_shard_states(source)
             ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
             return
-        files = sorted(source.glob("ps-shard-*.npz"))
-        if len(files) == actors.num_shards:
-            ray.get([s.restore(str(source / shard_file(i))) for i, s in enumerate(actors.shards)])
+        links = chain_of(source)
+        if len(list(source.glob("ps-shard-*.npz"))) == actors.num_shards:
+            ray.get(
+                [
+                    s.restore_chain([str(link / shard_file(i)) for link in links])
+                    for i, s in enumerate(actors.shards)
+                ]
+            )
+            self.base = source
             return
-        states = reshard_states([read_npz(f) for f in files], actors.num_shards)
+        states = reshard_states(self._saved_shard_states(source), actors.num_shards)
         ray.get([s.load_state(st) for s, st in zip(actors.shards, states, strict=True)])
+
+    def _saved_shard_states(self, source: Path) -> list[dict[str, np.ndarray]]:
+        """The sparse state of each PS shard of a checkpoint (of any shard count), its chain replayed
+        into a scratch shard here; dense tables (async) are not kept (see :func:`layer_states`)."""
+        links = chain_of(source)
+        count = len(list(source.glob("ps-shard-*.npz")))
+        states = []
+        for i in range(count):
+            shard = PSShard(i, count, {SPARSE_TABLE: self.actors.table})
+            shard.restore_chain([str(link / shard_file(i)) for link in links])
+            states.append(shard.state())
+            del shard
+        return states
 
     def roll_back_actors(self, source: Source) -> None:
         actors = self.actors
@@ -135,9 +174,7 @@ class StateStore:
         re-sharded, and a dense table (weights, Adam moments, version) for each stage this plan keeps
         on a PS shard, built by layer name from wherever the checkpoint kept those layers."""
         actors = self.actors
-        old = [read_npz(f) for f in sorted(source.glob("ps-shard-*.npz"))]
-        sparse = [{k: v for k, v in st.items() if not k.startswith("dense/")} for st in old]
-        states = reshard_states(sparse, actors.num_shards)
+        states = reshard_states(self._saved_shard_states(source), actors.num_shards)
         dense = layer_states(source)
         for stage in actors.stages:
             if actors.dense_ps(stage) is None:
@@ -237,9 +274,10 @@ class CheckpointSaver:
         every: int = 0,
         interval_s: float = 0.0,
         keep: int = 2,
+        full_every: int = 1,
     ):
         self.output_dir, self.plan, self.num_shards = output_dir, plan, num_shards
-        self.every, self.interval_s, self.keep = every, interval_s, keep
+        self.every, self.interval_s, self.keep, self.full_every = every, interval_s, keep, full_every
         self.written: list[str] = []
         self.errors: list[str] = []  # checkpoints the disk refused (the run went on without them)
         self.seconds: list[float] = []  # what each checkpoint took to write
@@ -258,24 +296,39 @@ class CheckpointSaver:
 
     def save(self, store: StateStore, done: int, samples: int, losses: list[float]) -> Path:
         t0 = time.monotonic()
+        chain = self._chain(store.base)
         tmp = begin_training_checkpoint(self.output_dir, done)
         try:
-            shards = store.write(tmp)
+            shards = store.write(tmp, delta=bool(chain))
             info = {
                 "samples": samples,
                 "losses": losses,
                 "plan": jsonable(self.plan),
                 "ps_shards": self.num_shards,
                 "shards": shards,  # each snapshot as its shard wrote it: a missing one is refused
+                "kind": "delta" if chain else "full",
+                "chain": chain,  # the full checkpoint and the deltas this one builds on, in order
             }
             final = commit_training_checkpoint(tmp, self.output_dir, done, info, keep=self.keep)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            raise  # the shards keep their changes pending: the next checkpoint still carries them
+        store.durable(final)
         self.written.append(str(final))
         self._last = time.monotonic()
         self.seconds.append(self._last - t0)
         return final
+
+    def _chain(self, base: Path | None) -> list[dict[str, str]]:
+        """The links a delta on `base` builds on; none (a full checkpoint is due) without a base, or
+        when the chain already holds `full_every` checkpoints."""
+        if base is None or self.full_every <= 1:
+            return []
+        try:
+            links = chain_links(base)
+        except (OSError, ValueError):
+            return []  # the base is gone or unreadable: start a new chain
+        return links if len(links) < self.full_every else []
 
 
 def resume_point(output_dir: Path, plan: dict[str, Any], num_shards: int, mode: str) -> dict[str, Any]:
