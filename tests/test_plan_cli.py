@@ -301,7 +301,6 @@ def test_heterps_compare_prices_each_plan_under_the_true_and_the_base_model(floo
 
 
 def test_heterps_plan_rl_plans_a_cluster_of_nine_types(tmp_path, capsys):
-
     problem = generate_problem(
         8, num_layers=(40, 40), num_types=(9, 9), catalogue="wide", infeasible_share=0.0
     )
