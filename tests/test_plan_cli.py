@@ -15,6 +15,7 @@ from heterps_ray.cli import main
 from heterps_ray.costmodel import Plan, load_plan, load_problem
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling import get_scheduler, provision
+from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
 
 REPO = Path(__file__).resolve().parents[1]
 CTR = REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml"
@@ -206,6 +207,17 @@ def test_heterps_plan_unreachable_floor_exits_3_with_the_highest_throughput(tmp_
     assert "no plan meets the floor" in err and f"{best:,.0f} samples/s" in err and str(path) in err
 
 
+def test_heterps_plan_rl_refuses_an_unreachable_floor_from_the_bound_with_exit_3(tmp_path, capsys):
+    problem = with_runtime_section(
+        generate_problem(4, num_layers=(40, 60), num_types=(5, 6), catalogue="wide", infeasible_share=1.0)
+    )
+    path = problem.save(tmp_path / "unreachable.yaml")
+    assert main(["plan", "--problem", str(path), "--scheduler", "rl"]) == 3
+    err = capsys.readouterr().err
+    assert str(path) in err and "no plan meets the floor" in err and "(an upper bound)" in err
+    assert f"{problem.throughput_min:,.0f} samples/s" in err
+
+
 def test_python_dash_m_heterps_ray_runs_the_cli():
     result = subprocess.run(
         [sys.executable, "-m", "heterps_ray", "plan", "--problem", str(CTR), "--scheduler", "single:t4"],
@@ -289,8 +301,6 @@ def test_heterps_compare_prices_each_plan_under_the_true_and_the_base_model(floo
 
 
 def test_heterps_plan_rl_plans_a_cluster_of_nine_types(tmp_path, capsys):
-    from heterps_ray.scheduling.generator import generate_problem
-
     problem = generate_problem(
         8, num_layers=(40, 40), num_types=(9, 9), catalogue="wide", infeasible_share=0.0
     )

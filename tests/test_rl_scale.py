@@ -12,7 +12,8 @@ import torch
 from heterps_ray.costmodel import CostModel, check_plan, problem_from_dict
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling import get_scheduler, provision
-from heterps_ray.scheduling.generator import generate_problem
+from heterps_ray.scheduling.exact import max_reachable_throughput, throughput_bounds
+from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
 from heterps_ray.scheduling.rl import ProblemView, RLScheduler, SchedulingEnv
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.network import PolicyNetwork, upgrade_state
@@ -144,12 +145,43 @@ def test_infeasible_is_said_with_the_throughput_of_the_same_search(tmp_path):
     assert not exact.feasible
     plan = RLScheduler(policy=tmp_path).schedule(problem)
     assert not plan.feasible
+    assert plan.extra["refusal"] == "bound"  # the bound is below the floor, and a plan reaches it
     assert plan.best_throughput == pytest.approx(exact.best_throughput, rel=1e-9)
     assert plan.best_throughput < problem.throughput_min
     assert math.isclose(plan.throughput, plan.best_throughput, rel_tol=1e-9)  # the fastest plan itself
     assert CostModel(problem).evaluate(list(plan.assignment), plan.replicas, plan.ps_shards).throughput == (
         pytest.approx(plan.throughput, rel=1e-12)
     )
+
+
+def test_a_floor_above_the_throughput_bound_is_refused_from_the_bound_within_two_seconds():
+    """Issue 26: production size with the profiler's runtime section; no exact search is waited for."""
+    problem = with_runtime_section(
+        generate_problem(3, num_layers=(40, 60), num_types=(5, 6), catalogue="wide", infeasible_share=1.0)
+    )
+    assert problem.num_layers >= 40
+    plan = get_scheduler("rl").schedule(problem)
+    assert not plan.feasible and plan.extra["refusal"] == "bound"
+    assert plan.extra["refusal_s"] <= 2.0
+    bound = plan.extra["throughput_bound"]
+    assert plan.throughput <= bound < problem.throughput_min
+    # the plan's throughput is reached, the highest lies between it and the bound: not claimed exactly
+    assert plan.best_throughput is None
+    assert CostModel(problem).evaluate(list(plan.assignment), plan.replicas, plan.ps_shards).throughput == (
+        pytest.approx(plan.throughput, rel=1e-12)
+    )
+
+
+def test_a_floor_the_bound_cannot_refuse_falls_back_to_the_search_and_says_so():
+    problem = with_runtime_section(generate_problem(1, num_layers=(6, 8), num_types=(3, 3)))
+    highest = max_reachable_throughput(problem)
+    bound = throughput_bounds(problem).upper
+    floor = 1.1 * highest
+    assert floor < bound  # between the highest throughput and the bound: only the search can refuse it
+    problem = problem_from_dict({**problem.to_dict(), "throughput_min": floor})
+    plan = get_scheduler("rl").schedule(problem)
+    assert not plan.feasible and plan.extra["refusal"] == "search"
+    assert plan.best_throughput == pytest.approx(highest, rel=1e-8)
 
 
 @pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])

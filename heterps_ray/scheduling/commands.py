@@ -92,6 +92,8 @@ def _plan(args: argparse.Namespace) -> int:
         # before --output is written: a plan that fails never replaces a file already there
         # exact and rl decide infeasibility by an exhaustive search; others know only the plans they tried
         decided = plan.scheduler in ("exact", "brute", "rl")
+        if decided and plan.best_throughput is None and plan.extra.get("refusal") == "bound":
+            _raise_bounded(problem, args.problem, plan.throughput, plan.extra["throughput_bound"])
         _raise_infeasible(problem, args.problem, plan.best_throughput if decided else None, plan.scheduler)
     if args.output:
         print(f"plan written to {plan.save(args.output)}")
@@ -243,6 +245,21 @@ def _json_num(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _raise_bounded(problem: Any, file: str, reached: float, bound: float) -> None:
+    """No plan meets the floor, proven by an upper bound on every plan's throughput (the policy's
+    fast refusal, rl/scheduler.py); the highest throughput lies between a plan found and the bound."""
+    from heterps_ray.errors import InfeasibleError
+
+    raise InfeasibleError(
+        f"{file}: no plan meets the floor throughput_min = {problem.throughput_min:,.0f} samples/s: no "
+        f"plan reaches more than {bound:,.0f} samples/s (an upper bound), and the fastest plan found "
+        f"reaches {reached:,.0f} samples/s (--scheduler exact gives the highest exactly). Possible fixes: "
+        f"(1) lower throughput_min to at most {math.floor(reached):,}; (2) raise max_instances of the "
+        "resource types (or ps.rows_per_second_per_shard); (3) add a faster resource type.",
+        reached,
+    )
 
 
 def _raise_infeasible(problem: Any, file: str, best: float | None, scheduler: str | None = None) -> None:

@@ -27,6 +27,7 @@ from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import price_plan
 
 REACH_RTOL = 1e-12  # a count "reaches" X when its throughput is >= X up to float rounding
+STEP_RTOL = 1e-9  # the level walks' next level: strictly above the last plan's throughput (relative)
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,30 @@ constraints: an ILP that HiGHS proves optimal (its dual bound is what the walk u
 differently): a level is the cheaper of the hosted program (every count 1) and the program on
 actor shards with at least one count of 2 (a replica added where the minimal counts are all 1).
 
-The walk over levels is exact.py's: X_0 = floor, the plan found at X_n reaches Θ_n >= X_n; the next
-level is above both Θ_n and R*(X_n) · N / 3600 / C (no plan between reaching X_n costs less than the
-best cost C found). Levels are skipped without an ILP where a DP lower bound on R*(X) (the per-stage
-counts alone, and a Lagrangian price of the loop at the DataWorkers' price) already proves it. It
-stops once R*(X) · N / 3600 / Θ_max >= C, with Θ_max an upper bound on every plan's throughput.
-Every plan found is re-provisioned exactly for its assignment (provisioning.py), which can only
-lower its cost. The plan records this proof in ``plan.extra["proof"]``.
+The walk over levels is exact.py's: X_0 = floor; the plan found at X_n reaches Θ_n >= X_n at its
+rate R_n; the next level is above Θ_n (and above R*(X_n) · N / 3600 / C, C the best cost found). It
+rests on R*(X) never falling as X rises (a plan reaching X' reaches every X <= X') and on these bounds,
+each a lower bound for the reason given; a bound that cannot be shown to be one is not used:
+
+* the DP bound ``lb(X) <= R*(X)`` (`lower_bound`): every segment weight is at most what a plan using
+  the segment pays (its fewest counts at X, within its own type's limit, at their prices; async:
+  the loop needs ``k_0 >= loop / c`` DataWorkers, so pricing the loop at ``p_t0 / c`` a ms gives a
+  second weight no plan with its first stage on t0 pays less than), and the shards' fewest count;
+* the ILP bound: HiGHS' dual bound over the segments a plan cheaper than the incumbent can use
+  (`_through`, the same weights through each segment, excludes the others); plans using the others
+  cost at least the incumbent, so min(incumbent, dual bound) <= R*(X);
+* ``Θ_max`` (`throughput_bound`): a level `reachable` rejects no plan reaches (it checks each stage
+  within its own type's limit, the cheapest loop with the most DataWorkers any type has, each host's
+  cheapest CPU), and no plan reaching more reaches less, so every plan's Θ is below it.
+
+Then: skip to ``lb(X) · N / 3600 / C`` (a plan between costs ``R / Θ >= lb / Θ > C``); stop once
+``lb(X) · N / 3600 / Θ_max >= C``; step from X_n to Θ_n only when R_n is proven R*(X_n) (to the
+solver's 1e-7): a plan with X_n <= Θ <= Θ_n then costs ``R / Θ >= R_n / Θ_n``. R_n and Θ_n are
+one plan's (its assignment re-provisioned, rate_at), never the most the assignment reaches with more
+replicas (issue 26: those replicas cost more than R*(X_n), so that step skipped cheaper plans).
+Every plan found is re-provisioned exactly for its assignment (provisioning.py), which can only lower
+its cost. The plan records the proof in ``plan.extra["proof"]``; scheduling/milp.py checks the
+optimum by a second formulation (tests/test_milp.py).
 """
 
 from __future__ import annotations
@@ -50,10 +67,9 @@ from heterps_ray.costmodel.formulas import (
 )
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.costmodel.runtime_terms import call_ms
-from heterps_ray.scheduling.provisioning import REACH_RTOL, Provisioned, provision_counts
+from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, Provisioned, provision_counts
 from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
-_STEP_RTOL = 1e-9  # next level strictly above the last (relative); the fastest plan is proven to this
 _ROW_SLACK = 1e-12  # the ILP's loop and host rows relaxed by this (relative): float rounding only
 _SOLVER_RTOL = 1e-7  # a level whose ILP plan misses it within HiGHS' tolerances: the walk steps this far
 _HUGE = 1e12  # replicas standing in for "no count reaches the level"
@@ -404,8 +420,13 @@ class RuntimeLevels:
             return _Level(upper, upper if best is None else min(upper, best.bound), incumbent, reached)
         if best is None:
             return None
-        rate, at = self.rate_at(best.assignment, target)  # the ILP's counts re-provisioned: what they reach
-        return replace(best, rate=min(rate, best.rate), throughput=at)
+        # the level's plan is the ILP's assignment with its counts re-provisioned: its rate and the
+        # throughput it reaches at that rate belong together (the walk steps on them). Not the ILP's own
+        # rate: within HiGHS' tolerances its counts may miss the level by a hair and cost less than any
+        # counts that reach it, and a rate no plan pays at that throughput proves nothing about the
+        # levels up to it; then the rate is above the bound and only the bound steps.
+        rate, at = self.rate_at(best.assignment, target)
+        return replace(best, rate=rate, throughput=at)
 
     def _solve_case(self, hosted: bool, target: float, objective: bool, upper: float) -> _Level | None:
         """One case's ILP over the segments through which a plan may cost less than `upper`."""
@@ -642,7 +663,7 @@ class RuntimeLevels:
         model = self.model
         lo, best = known, None
         hi = bound
-        while hi > lo * (1.0 + _STEP_RTOL) and hi > 0:
+        while hi > lo * (1.0 + STEP_RTOL) and hi > 0:
             if time.perf_counter() > self.deadline:
                 self.proof.stop = "time limit"
                 break
@@ -692,7 +713,7 @@ class RuntimeLevels:
         # its bisection's upper end bounds every plan's throughput.
         theta_max = self.throughput_bound(max(known, target, 1e-9))
         to_cost = model.samples / S_PER_HOUR
-        while target <= theta_max * (1.0 + _STEP_RTOL):
+        while target <= theta_max * (1.0 + STEP_RTOL):
             if time.perf_counter() > self.deadline:
                 self.proof.stop = "time limit"
                 return best, theta_max
@@ -713,7 +734,7 @@ class RuntimeLevels:
                     break
                 # skip: a plan with target <= Θ < skip_to costs >= lb · N / 3600 / Θ > the best cost
                 skip_to = lb * to_cost / best[1].cost
-                if skip_to > target * (1.0 + _STEP_RTOL):
+                if skip_to > target * (1.0 + STEP_RTOL):
                     self.proof.levels_bounded += 1
                     target = skip_to
                     continue
@@ -743,7 +764,7 @@ class RuntimeLevels:
                 # tolerances: plans with Θ in [target, target (1 + 1e-7)) are passed over (counted)
                 self.proof.tolerance_steps += 1
                 nxt = target * (1.0 + _SOLVER_RTOL)
-            target = nxt * (1.0 + _STEP_RTOL)  # plans in (nxt, nxt (1 + 1e-9)): within 1e-9 of it
+            target = nxt * (1.0 + STEP_RTOL)  # plans in (nxt, nxt (1 + 1e-9)): within 1e-9 of it
         else:
             self.proof.stop = "level above the max throughput bound"
         return best, theta_max

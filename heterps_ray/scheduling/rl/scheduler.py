@@ -28,6 +28,7 @@ import numpy as np
 
 from heterps_ray.costmodel import Problem
 from heterps_ray.costmodel.plan import Plan
+from heterps_ray.costmodel.pricing import meets_floor
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.provisioning import plan_from_counts
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _MODULE_SUBDIR = Path("learner_group") / "learner" / "rl_module" / "default_policy"
 _STATE_FILE = "rl_scheduler.json"  # beside RLlib's files: config, seed and the best plans found
+_BOUND_RTOL = 1e-9  # a plan within this of the throughput bound reaches the highest throughput
 
 
 @dataclass(frozen=True)
@@ -353,13 +355,14 @@ class RLScheduler(Scheduler):
                 policy_best = candidates[name]
         deadline = math.inf if self.iterations is not None else time.perf_counter() + polish_s
         source, best = self._best(view, candidates, deadline)
-        best_throughput = None
+        best_throughput: float | None = None
+        refusal: dict[str, Any] = {}
         if not best.feasible:
-            # Before saying "infeasible": the exact search for the fastest plan decides whether any
-            # plan reaches the floor; when one does, it is a candidate (and a start for polishing),
-            # when none does, its throughput is the highest any plan reaches.
-            source, best, best_throughput = self._fastest(view, candidates, source, best)
+            # Before saying "infeasible": a bound, or else the exact search for the fastest plan,
+            # decides whether any plan reaches the floor (see _fastest)
+            source, best, best_throughput, refusal = self._fastest(view, candidates, source, best)
         extra = dict(info)
+        extra.update(refusal)
         extra.update(
             counts="exact provisioning of the policy's assignment",  # replicas and PS shards never come from the policy
             source=source,
@@ -370,12 +373,6 @@ class RLScheduler(Scheduler):
             polished_cost=_json_cost(candidates.get("polished")),
             reference_cost=view.reference_cost,
         )
-        if (
-            best_throughput is not None
-        ):  # "infeasible" and its throughput: exact's own search, not enumeration
-            extra["infeasible_by"] = (
-                "exact.fastest_plan (the level search exact runs; ILP levels with runtime terms)"
-            )
         return plan_from_counts(
             view.problem,
             view.model,
@@ -410,24 +407,51 @@ class RLScheduler(Scheduler):
 
     def _fastest(
         self, view: ProblemView, candidates: dict[str, EpisodeResult], source: str, best: EpisodeResult
-    ) -> tuple[str, EpisodeResult, float | None]:
-        """(source, best, highest reachable throughput or None) once no candidate meets the floor."""
-        from heterps_ray.scheduling.exact import fastest_plan
+    ) -> tuple[str, EpisodeResult, float | None, dict[str, Any]]:
+        """(source, best, highest reachable throughput or None, what decided) once no candidate meets
+        the floor.
 
+        First exact.throughput_bounds (no ILP, well under a second at 120 layers x 8 types): when its
+        upper bound on every plan's throughput is below the floor, no plan meets it and the refusal
+        rests on that bound (extra["refusal"] = "bound"; the plan is the fastest found, and the
+        highest throughput is known to lie between it and the bound). Otherwise the exact search for
+        the fastest plan decides (extra["refusal"] = "search" when it finds none meeting the floor);
+        a plan it finds that meets the floor is a candidate (and a start for polishing)."""
+        from heterps_ray.scheduling.exact import fastest_plan, throughput_bounds
+
+        started = time.perf_counter()
+        bounds = throughput_bounds(view.problem, view.model)
+        if not meets_floor(bounds.upper, view.model.floor):
+            reached = max(best.provisioned.max_throughput, 0.0)
+            exact = reached >= bounds.upper * (1.0 - _BOUND_RTOL)  # the bound is reached: it is the max
+            refusal = {
+                "refusal": "bound",
+                "refusal_s": time.perf_counter() - started,
+                "throughput_bound": bounds.upper,
+                "infeasible_by": "exact.throughput_bounds (an upper bound on every plan's throughput)",
+            }
+            return source, best, bounds.upper if exact else None, refusal
         known = max([view.fastest_seen()] + [r.provisioned.max_throughput for r in candidates.values()])
         theta_max, assignment = fastest_plan(view.problem, view.model, known)
+        refusal = {
+            "refusal": "search",
+            "refusal_s": time.perf_counter() - started,
+            "infeasible_by": "exact.fastest_plan (the level search exact runs; ILP levels with runtime "
+            "terms), the bound being above the floor",
+        }
         if assignment is None:
-            return source, best, theta_max
+            return source, best, theta_max, refusal
         fastest = candidates["fastest"] = view.record(assignment)
         if not fastest.feasible:  # no plan meets the floor: the search's highest throughput stands
-            return ("fastest", fastest, theta_max) if better(best, fastest) else (source, best, theta_max)
+            chosen = ("fastest", fastest) if better(best, fastest) else (source, best)
+            return chosen[0], chosen[1], theta_max, refusal
         if self.config.polish:  # the fastest plan meets the floor; a cheaper one is usually a few moves away
             deadline = time.perf_counter() + max(self.config.zero_shot_polish_s, 0.1)
             polished = polish(view, [fastest], deadline)
             if polished is not None and better(fastest, polished):
                 candidates["polished-fastest"] = polished
-                return "polished-fastest", polished, None
-        return "fastest", fastest, None
+                return "polished-fastest", polished, None, {}
+        return "fastest", fastest, None, {}
 
     def _save_state(self, problem: Problem, plan: Plan, info: dict[str, Any]) -> None:
         assert self.checkpoint_dir is not None
