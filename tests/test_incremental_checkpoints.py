@@ -163,7 +163,7 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     plan = load_plan(PLAN)
     whole_dir = Path(whole.output_dir)
     run = tmp_path / "chain"
-    train(_job(dataset, run, full_every=10, hosting="actors"), plan, steps=STOP, progress=False)
+    train(_job(dataset, run, full_every=3, hosting="actors"), plan, steps=STOP, progress=False)
     # retention: the newest two, and the full checkpoint they build on
     assert sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir()) == [f"step-{s:08d}" for s in (2, 4, 6)]
     newest = _manifest(_step(run, STOP))
@@ -189,15 +189,19 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     shutil.copytree(run, saved)
 
     resumed = train(
-        _job(dataset, run, full_every=10, hosting="actors"), plan, steps=TOTAL, progress=False, resume=True
+        _job(dataset, run, full_every=3, hosting="actors"), plan, steps=TOTAL, progress=False, resume=True
     )
     assert resumed.extra["resumed_from"]["step"] == STOP
     assert resumed.losses == whole.losses
     _assert_same_model(whole_dir, run)
-    # the resumed run's checkpoints go on extending the chain it restored
+    # the restored chain (2, 4, 6) held 3 = checkpoint_full_every links: step 8 starts a new one, and
+    # once the newest two build on it, the old chain is removed
+    assert _manifest(_step(run, 8))["kind"] == "full"
     assert [link["id"] for link in _manifest(_step(run, TOTAL))["chain"]] == [
-        f"step-{s:08d}" for s in (2, 4, 6, 8, 10)
+        "step-00000008",
+        "step-00000010",
     ]
+    assert sorted(p.name for p in (run / CHECKPOINTS_DIR).iterdir()) == [f"step-{s:08d}" for s in (8, 10, 12)]
 
     # onto another plan and shard count (one stage, 3 shards hosted in the DataWorker): re-sharded
     moved = train(
