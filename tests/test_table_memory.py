@@ -229,3 +229,22 @@ def test_train_refuses_a_plan_whose_shards_cannot_hold_the_table_before_ray_star
     assert not (tmp_path / "out").exists()
     small = _with_distinct(small_data, tmp_path / "s", 1_000)
     assert hosts_shards(load_job(_job_file(tmp_path, small, cluster=cluster)), stages, 2)
+
+
+def test_hosted_shards_are_priced_as_actors_where_a_dataworker_cannot_hold_the_table(small_data, tmp_path):
+    from helpers import cloud_problem_with_runtime_terms
+
+    base = load_problem(cloud_problem_with_runtime_terms(tmp_path)).to_dict()  # cpu and t4, ps_hosting auto
+    big = _with_distinct(small_data, tmp_path / "big", 30_000_000)  # 108 GiB: no 13 GiB DataWorker holds it
+    data = with_table(
+        json.loads(json.dumps(base)), load_job(_job_file(tmp_path, big, cluster="cloud_gpu.yaml"))
+    )
+    assert data["runtime"]["ps_hosting"] == "actors"
+    problem = problem_from_dict(data)
+    plan = get_scheduler("exact").schedule(problem)
+    assert plan.ps_shards >= problem.ps.table.shards_needed == 9
+    small = _with_distinct(small_data, tmp_path / "small", 1_000)
+    data = with_table(
+        json.loads(json.dumps(base)), load_job(_job_file(tmp_path, small, cluster="cloud_gpu.yaml"))
+    )
+    assert data["runtime"]["ps_hosting"] == "auto" and data["ps"]["table"]["shards_needed"] == 1
