@@ -269,7 +269,7 @@ class _LevelSearch:
                 starts = np.flatnonzero(np.isfinite(seg_rate[: j + 1, j, t]))
                 if len(starts) == 0:
                     continue
-                before = np.where(
+                chains = np.where(
                     (starts == 0)[:, None], start[None, :], excl[np.maximum(starts - 1, 0), t]
                 )  # [starts, U]
                 if t in axis_of:  # usage of t grows by k: shift the state
@@ -277,10 +277,10 @@ class _LevelSearch:
                     kk = k[starts, j, t].astype(np.int64)[:, None]
                     ok = coords[d][None, :] >= kk
                     src_idx = np.where(ok, idx[None, :] - kk * strides[d], 0)
-                    value = np.where(ok, np.take_along_axis(before, src_idx, axis=1), np.inf)
+                    value = np.where(ok, np.take_along_axis(chains, src_idx, axis=1), np.inf)
                 else:
-                    src_idx = np.broadcast_to(idx, before.shape)
-                    value = before
+                    src_idx = np.broadcast_to(idx, chains.shape)
+                    value = chains
                 value = value + seg_rate[starts, j, t][:, None]
                 pick = np.argmin(value, axis=0)  # the first (lowest i) of equal values
                 found = value[pick, idx]
