@@ -264,26 +264,34 @@ class _LevelSearch:
         start[0] = 0.0
         for j in range(L):
             for t in range(T):
-                for i in range(j + 1):
-                    rate = seg_rate[i, j, t]
-                    if not math.isfinite(rate):
-                        continue
-                    src = start if i == 0 else excl[i - 1, t]
-                    kk = int(k[i, j, t])
-                    if t in axis_of:  # usage of t grows by kk: shift the state
-                        d = axis_of[t]
-                        ok = coords[d] <= dims[d] - 1 - kk
-                        dst_idx, src_idx = idx[ok] + kk * strides[d], idx[ok]
-                    else:
-                        dst_idx = src_idx = idx
-                    value = src[src_idx] + rate
-                    better = value < best[j, t, dst_idx]
-                    if not better.any():
-                        continue
-                    where = dst_idx[better]
-                    best[j, t, where] = value[better]
-                    came_from[j, t, where] = i
-                    prev_type[j, t, where] = -1 if i == 0 else excl_type[i - 1, t, src_idx[better]]
+                # every stage (i..j on t) at once: state u comes from state u - k(i,j,t) of type t's
+                # axis (or u itself, untracked) after a chain to i - 1 whose last stage is not on t
+                starts = np.flatnonzero(np.isfinite(seg_rate[: j + 1, j, t]))
+                if len(starts) == 0:
+                    continue
+                chains = np.where(
+                    (starts == 0)[:, None], start[None, :], excl[np.maximum(starts - 1, 0), t]
+                )  # [starts, U]
+                if t in axis_of:  # usage of t grows by k: shift the state
+                    d = axis_of[t]
+                    kk = k[starts, j, t].astype(np.int64)[:, None]
+                    ok = coords[d][None, :] >= kk
+                    src_idx = np.where(ok, idx[None, :] - kk * strides[d], 0)
+                    value = np.where(ok, np.take_along_axis(chains, src_idx, axis=1), np.inf)
+                else:
+                    src_idx = np.broadcast_to(idx, chains.shape)
+                    value = chains
+                value = value + seg_rate[starts, j, t][:, None]
+                pick = np.argmin(value, axis=0)  # the first (lowest i) of equal values
+                found = value[pick, idx]
+                reached = np.isfinite(found)
+                chosen = starts[pick]
+                from_state = src_idx[pick, idx]
+                best[j, t] = found
+                came_from[j, t] = np.where(reached, chosen, 0)
+                prev_type[j, t] = np.where(
+                    reached & (chosen > 0), excl_type[np.maximum(chosen - 1, 0), t, from_state], -1
+                )
             if T > 1:
                 order = np.argsort(best[j], axis=0)  # [T, U]
                 first, second = order[0], order[1]

@@ -108,9 +108,8 @@ class _Program:
         self.K = terms.micro_batches if terms is not None else 1
         cap = model.max_instances.astype(np.int64)
         self.cap = cap
-        _, alpha = model.segment_tables()
+        tau, alpha = model.segment_tables()  # the base model's stage times; runtime terms replace them
         if terms is None:
-            tau, _ = model.segment_tables()
             self.loop = self.busy = None
         else:
             from heterps_ray.scheduling.runtime_levels import RuntimeLevels
