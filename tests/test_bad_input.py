@@ -391,11 +391,16 @@ def one_stage_plan(tmp_path_factory) -> Path:
     return path
 
 
+# every checkpoint full, so each stands alone: these tests damage single snapshots (a damaged or missing
+# link of an incremental chain is tests/test_incremental_checkpoints.py's)
+CHECKPOINTING = {"checkpoint_every": EVERY, "checkpoint_full_every": 1}
+
+
 @pytest.fixture(scope="module")
 def checkpointed_run(ray_local, dataset, one_stage_plan, tmp_path_factory) -> Path:
     """A real sync run of STEPS batches with a checkpoint every EVERY: model/ and checkpoints/."""
     folder = tmp_path_factory.mktemp("checkpointed")
-    job = _write_job(folder, dataset, runtime={"checkpoint_every": EVERY})
+    job = _write_job(folder, dataset, runtime=CHECKPOINTING)
     argv = ["train", str(job), "--plan", str(one_stage_plan), "--steps", str(STEPS), "--no-progress"]
     assert main(argv) == 0
     out = folder / "out"
@@ -407,7 +412,7 @@ def checkpointed_run(ray_local, dataset, one_stage_plan, tmp_path_factory) -> Pa
 def _copy_run(run: Path, folder: Path, dataset: Path) -> tuple[Path, Path]:
     """A copy of the checkpointed run in `folder`/out with a job file pointing at it."""
     shutil.copytree(run, folder / "out")
-    return _write_job(folder, dataset, runtime={"checkpoint_every": EVERY}), folder / "out"
+    return _write_job(folder, dataset, runtime=CHECKPOINTING), folder / "out"
 
 
 def _resume_argv(job, plan) -> list[str]:
