@@ -58,6 +58,7 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     out = capsys.readouterr().out
     assert code == 0, out
     assert "wrote" in out
+    assert "the profile's own spread: cpu_small ±" in out  # the one-stage probes' runs, per type
 
     problem = load_problem(output)
     assert problem.layer_names == [layer.name for layer in spec.layers]
