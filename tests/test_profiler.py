@@ -58,6 +58,7 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     out = capsys.readouterr().out
     assert code == 0, out
     assert "wrote" in out
+    assert "the profile's own spread: cpu_small ±" in out  # the one-stage probes' runs, per type
 
     problem = load_problem(output)
     assert problem.layer_names == [layer.name for layer in spec.layers]
@@ -124,8 +125,18 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     assert problem.runtime is not None and problem.runtime.mode == "sync"
     assert set(problem.runtime.call_ms) == {"cpu_small", "cpu_big"}
     assert problem.runtime.ps_wait_ms_per_row > 0
-    probes = raw[raw["kind"] == "probe"]
-    assert len(probes) == 4 and (probes["ms"] > 0).all()  # one stage on each type, two stages each way
+    runs = raw[raw["kind"] == "probe"]
+    assert (runs["ms"] > 0).all()
+    # two stages each way once, then one stage on each type twice (interleaved: the fit takes the median)
+    assert list(zip(runs["peer"], runs["resource"], runs["repeat"], strict=True)) == [
+        ("cpu_small", "cpu_big", 0), ("cpu_big", "cpu_small", 0),
+        ("", "cpu_small", 0), ("", "cpu_big", 0), ("", "cpu_small", 1), ("", "cpu_big", 1),
+    ]  # fmt: skip
+    # the profile's own spread: half the range of each type's one-stage runs over their median
+    for name, group in runs[runs["peer"] == ""].groupby("resource"):
+        half = (group["ms"].max() - group["ms"].min()) / (2 * group["ms"].median())
+        assert problem.runtime.spread[name] == pytest.approx(half, rel=1e-3, abs=1e-6)
+    probes = runs.groupby(["resource", "peer", "layer"], as_index=False)["ms"].median()
     scales = quality[quality["what"] == "probe"].dropna(subset=["layer_scale"])
     assert set(scales["resource"]) == {"cpu_small", "cpu_big"}
     model = CostModel(problem)

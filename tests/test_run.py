@@ -269,18 +269,23 @@ def test_readme_main_command_runs_the_quickstart_job(tmp_path):
     # the profile's parts (the layers on each type's actors, the runtime probes, the fit) fill it
     parts = sum(saved["seconds"][f"profile.{p}"] for p in PROFILE_PARTS)
     assert 0.9 * saved["seconds"]["profile"] <= parts <= saved["seconds"]["profile"]
-    assert "runtime probes" in ran.stderr and "4/4" in ran.stderr  # the probes' progress bar
+    assert "runtime probes" in ran.stderr and "6/6" in ran.stderr  # the probes' progress bar
     assert f"probes {saved['seconds']['profile.probes']:.1f}s" in printed  # the report's time line
     for line in ("plan by rl", "run 'quickstart': scheduler rl", "met (achieved >= 90% of it)", "AUC"):
         assert line in printed, line
     assert f"wrote {out}/{REPORT_FILE}" in printed
     for name in ("problem.yaml", "problem.fit.csv", "model"):
         assert (out / name).exists(), name
-    # the full profile, not the quick one: its runtime probes ran (one stage on each type, two stages
-    # each way) and the problem carries the runtime terms they fit
+    # the full profile, not the quick one: its runtime probes ran (two stages each way, one stage on
+    # each type twice) and the problem carries the runtime terms they fit, with the profile's spread
     raw = pd.read_parquet(out / "problem.measurements.parquet")
-    assert len(raw[raw["kind"] == "probe"]) == 4
-    assert load_problem(out / "problem.yaml").runtime is not None
+    assert len(raw[raw["kind"] == "probe"]) == 6
+    runtime = load_problem(out / "problem.yaml").runtime
+    assert runtime is not None and set(runtime.spread) == {"cpu_small", "cpu_big"}
+    # the report shows the throughput range that spread implies around the prediction
+    low, high = saved["predicted_range"]
+    assert low <= saved["predicted_throughput"] <= high
+    assert f"range {low:,.0f}-{high:,.0f} from the profile's spread" in printed
 
     # the model: one epoch over the 180k train rows, as the reference trainer trains it
     dataset = Dataset(data)

@@ -50,6 +50,9 @@ class RunReport:
     node_wait_s: float = 0.0
     node_wait_cost: float = 0.0
     node_requests: list[dict[str, Any]] = field(default_factory=list)
+    # samples/s: the predicted throughput within the profile's own spread (problem runtime.spread of
+    # the plan's types, the widest); None: a problem without one (a quick profile, a given file)
+    predicted_range: list[float] | None = None
 
     def table(self) -> str:
         err = (
@@ -59,7 +62,12 @@ class RunReport:
         )
         lines = [
             f"run {self.job!r}: scheduler {self.scheduler}, plan {self.plan}",
-            f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s  (cost model)",
+            f"  throughput  predicted {self.predicted_throughput:>12,.0f} samples/s  (cost model"
+            + (
+                f"; range {self.predicted_range[0]:,.0f}-{self.predicted_range[1]:,.0f} from the profile's spread)"
+                if self.predicted_range
+                else ")"
+            ),
             f"              achieved  {self.achieved_throughput:>12,.0f} samples/s  ({err:+.1%} of predicted)",
             f"  cost rate   {self.cost_rate:>12.3f} $/h",
             f"  total cost  {self.projected_cost:>12.4f} $ projected at the achieved throughput "
@@ -102,10 +110,12 @@ def build_report(
     replans: list[dict[str, Any]],
     attempts: list[dict[str, Any]],
     node_requests: list[dict[str, Any]] | None = None,
+    spread: dict[str, float] | None = None,
 ) -> RunReport:
     """The report of a run that trained `plan` (the last plan, after any re-plan) to `summary`, or
     (summary None) whose closed loop gave up after measuring `measured`; `node_requests`: the waits
-    for an autoscaling cluster's nodes (closedloop/autoscale.py NodeWait.to_dict)."""
+    for an autoscaling cluster's nodes (closedloop/autoscale.py NodeWait.to_dict); `spread`: the
+    problem's runtime.spread (the profile's own, per type)."""
     if summary is not None:
         # a long run's rate: the warm-up (first calls, first data chunk) is a one-time cost
         achieved = summary.steady_throughput or summary.throughput
@@ -123,6 +133,7 @@ def build_report(
         cost_rate=plan.cost_rate,
         projected_cost=monetary_cost(plan.cost_rate, job.samples, achieved),
         predicted_cost=plan.cost,
+        predicted_range=predicted_range(plan, spread or {}),
         auc=summary.auc if summary is not None else None,
         logloss=summary.logloss if summary is not None else None,
         seconds={k: round(v, 2) for k, v in seconds.items()},
@@ -180,3 +191,12 @@ def plan_line(plan: Plan) -> str:
     """A plan in one line: stages as first..last layer @ type x replicas, then the PS shards."""
     stages = " | ".join(f"{s.layers[0]}..{s.layers[-1]}@{s.type}x{s.replicas}" for s in plan.stages)
     return f"{stages} | ps x{plan.ps_shards}"
+
+
+def predicted_range(plan: Plan, spread: dict[str, float]) -> list[float] | None:
+    """The plan's predicted throughput within the widest spread of its stages' types (runtime.spread:
+    how far the profile's repeated one-stage probes fell from their median); None without one."""
+    widest = max((spread[s.type] for s in plan.stages if s.type in spread), default=None)
+    if widest is None:
+        return None
+    return [round(plan.throughput * (1.0 - widest), 1), round(plan.throughput * (1.0 + widest), 1)]

@@ -118,7 +118,8 @@ def run_job(
             ray.shutdown()
     d = decisions
     nodes = [w.to_dict() for w in waits]
-    report = build_report(job, d.plan, summary, d.measured, seconds, d.replans, d.attempts, nodes)
+    spread = d.problem.runtime.spread if d.problem.runtime is not None else {}
+    report = build_report(job, d.plan, summary, d.measured, seconds, d.replans, d.attempts, nodes, spread)
     report.save(out)
     save_state(out, job, decisions, seconds, finished=True)
     if gave_up is None and report.floor_met is False:  # trained to the end, but below the floor

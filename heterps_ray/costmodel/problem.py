@@ -147,6 +147,11 @@ class RuntimeTerms(BaseModel):
         description="ms a DataWorker waits per sparse row of a batch (pull + its part of the "
         "push) when the shards are actors",
     )
+    spread: dict[str, float] = Field(
+        default_factory=dict,
+        description="per resource type: the profile's own spread, half the range of its one-stage "
+        "probe's runs over their median (a plan's throughput is good to about this fraction)",
+    )
     startup_ms: float = Field(0.0, ge=0, description="simulator: a DataWorker's one-time start-up, ms")
     forward_fraction: float | None = Field(
         None, gt=0, lt=1, description="simulator: the forward pass's share of a layer's time (default 1/3)"

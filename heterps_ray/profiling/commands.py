@@ -99,6 +99,9 @@ def _profile(args: argparse.Namespace) -> int:
         f"  raw measurements {paths['measurements']}, fit quality {paths['quality']}"
     )
     print("  took " + ", ".join(f"{part} {took:.1f}s" for part, took in result.seconds.items()))
+    spread = result.problem.get("runtime", {}).get("spread", {})
+    if spread:  # how far each type's repeated one-stage probes fell from their median
+        print("  the profile's own spread: " + ", ".join(f"{name} ±{s:.1%}" for name, s in spread.items()))
     if result.flags:
         print(f"{len(result.flags)} poor fits (R² < 0.9, negative or clipped coefficients):")
         for flag in result.flags:

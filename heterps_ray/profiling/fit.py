@@ -392,7 +392,11 @@ def _runtime_terms(
     probes = measurements[measurements["kind"] == "probe"]
     if probes.empty:
         return terms
-    # several profiles together (before and after something): each probe's median
+    # each one-stage probe's spread over its runs (the profile's own): half its range over its median
+    alone = probes[probes["peer"] == ""].groupby("resource", sort=False)["ms"]
+    spread = ((alone.max() - alone.min()) / (2.0 * alone.median())).to_dict()
+    terms["spread"] = {name: _round(float(s)) for name, s in spread.items() if alone.size()[name] > 1}
+    # each probe's median over its runs (and over several profiles taken together)
     probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)["ms"].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
     fitted = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),

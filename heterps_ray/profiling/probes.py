@@ -4,9 +4,16 @@ runtime's loop, and what hosting the PS shards costs a DataWorker.
 
 The probes train sync plans for a few seconds each on the job's own data and actors:
 
-* one stage on each type (its DataWorker hosts the shards): the runtime's own speed on that type;
 * for every type ``t`` but the first: the first layer on the first type, the rest on ``t`` (one call
-  per batch to a stage of ``t``), and the first layer on the second type, the rest on the first.
+  per batch to a stage of ``t``), and the first layer on the second type, the rest on the first;
+* one stage on each type (its DataWorker hosts the shards): the runtime's own speed on that type,
+  :data:`ONE_STAGE_REPEATS` times each, the types interleaved (the fit takes each probe's median).
+
+The two-stage probes go first: each starts a DataWorker and a StageWorker at once (warm.py keeps
+them), so the one-stage probes that follow run on warm DataWorkers. An actor's first run is slower
+even past its first chunk (a cold process); the one-stage probes, which calibrate every layer time,
+are not taken on one. Their repeats' spread is the profile's own: the problem keeps it
+(``runtime.spread``).
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
@@ -26,28 +33,34 @@ from heterps_ray.config import JobConfig
 # (job, layers, caller type, callee type, split, steps) -> steady ms per batch of that sync plan
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
-PROBE_STEPS = 0  # batches per probe; 0: enough for two of the dataset's read chunks (probe_steps)
+PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
+ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types)
 
 
 def probe_steps(job: JobConfig, steps: int = PROBE_STEPS) -> int:
-    """Batches a probe trains: `steps`, or (0) the warm-up and two of the dataset's read chunks of
-    READ_ROWS rows (a long run pays a chunk's conversion every READ_ROWS rows; a shorter probe would
-    miss it and read fast), at least 120 (the warm-up chunk and two steady chunks)."""
+    """Batches a probe trains: `steps`, or (0) the warm-up chunk and one of the dataset's read chunks
+    of READ_ROWS rows (a long run pays a chunk's conversion every READ_ROWS rows: the steady window,
+    after the first CHUNK_STEPS batches, holds exactly one; a shorter probe would miss it and read
+    fast), at least 120 (the warm-up chunk and two steady chunks)."""
     from heterps_ray.data.dataset import READ_ROWS
+    from heterps_ray.runtime.loop import CHUNK_STEPS
 
-    return steps or max(120, 20 + 2 * READ_ROWS // job.batch_size)
+    return steps or max(120, CHUNK_STEPS + READ_ROWS // job.batch_size)
 
 
-def probe_plans(job: JobConfig, layers: list[str], types: list[str]) -> list[tuple[str, str, int]]:
-    """(caller type, callee type, index of the second stage's first layer) per probe; callee '' and
-    index len(layers) for the one-stage probe. `types` are those present that run every layer."""
+def probe_plans(
+    job: JobConfig, layers: list[str], types: list[str], repeats: int = ONE_STAGE_REPEATS
+) -> list[tuple[str, str, int]]:
+    """(caller type, callee type, index of the second stage's first layer) per probe run, in the
+    order to run them; callee '' and index len(layers) for the one-stage probe (`repeats` runs on
+    each type, interleaved). `types` are those present that run every layer."""
     if not types:
         return []
     first = types[0]
-    probes = [(t, "", len(layers)) for t in types]
+    probes = []
     if len(layers) > 1:
         for callee in types[1:]:
             probes.append((first, callee, 1))
         if len(types) > 1:
             probes.append((types[1], first, 1))
-    return probes
+    return probes + [(t, "", len(layers)) for _ in range(repeats) for t in types]

@@ -39,7 +39,7 @@ from heterps_ray.errors import ConfigError, HeterPSError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.actor import LayerProfiler
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
-from heterps_ray.profiling.probes import PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
+from heterps_ray.profiling.probes import ONE_STAGE_REPEATS, PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
 
 _BYTES_PER_MB = 1 << 20
 
@@ -71,8 +71,10 @@ class ProfileSettings:
     call_count: int = 60
     """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
     probe_steps: int | None = PROBE_STEPS
-    """batches each runtime probe trains (probes.py; 0: two read chunks' worth; None: no probes, the
-    problem gets no call terms and uncalibrated layer times)"""
+    """batches each runtime probe trains (probes.py; 0: the warm-up and one read chunk's worth; None: no
+    probes, the problem gets no call terms and uncalibrated layer times)"""
+    probe_repeats: int = ONE_STAGE_REPEATS
+    """runs of each one-stage probe, interleaved across types (the fit takes their median)"""
     seed: int = 0
     progress: bool = True
     start_timeout_s: float = 120.0
@@ -106,6 +108,7 @@ class ProfileSettings:
             repeats=self.repeats * factor,
             pair_repeats=self.pair_repeats * factor,
             ps_repeats=self.ps_repeats * factor,
+            probe_repeats=self.probe_repeats * factor,
         )
 
 
@@ -445,17 +448,19 @@ def _probe_runs(
         rows = int(steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
         synthesize(path, rows, seed=settings.seed)
         job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
-    plans = probe_plans(job, layers, types)
+    plans = probe_plans(job, layers, types, settings.probe_repeats)
     bar = tqdm(total=len(plans), desc="runtime probes", unit="probe", disable=not settings.progress)
     try:
-        out = []
+        out: list[_Row] = []
+        runs: dict[tuple[str, str, int], int] = {}
         for caller, callee, split in plans:
             bar.set_postfix_str(_probe_label(layers, caller, callee, split, steps))
             ms = run_probe(job, layers, caller, callee, split, steps)
             bar.update()
             resource, peer = (callee, caller) if callee else (caller, "")
+            rep = runs[caller, callee, split] = runs.get((caller, callee, split), -1) + 1
             out.append(_Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
-                            ms=ms))  # fmt: skip
+                            repeat=rep, ms=ms))  # fmt: skip
         return out
     finally:
         bar.close()
@@ -521,11 +526,12 @@ def _host_runs(
     the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`);
     with `calls`, Ray's CPU per call there too. The fit declares a shared host where types share a node."""
     out = []
-    for rtype in present:
+    # every type's window at once (each actor sleeps through it: the others' CPU is the background)
+    loads = wait(
+        [actors[t.name][0].host_load.remote(settings.host_window_s) for t in present], "host load"
+    )
+    for rtype, (node, cores, ms, others) in zip(present, loads, strict=True):
         group = actors[rtype.name]
-        node, cores, ms, others = wait(
-            group[0].host_load.remote(settings.host_window_s), f"{rtype.name} host load"
-        )
         out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
         if calls and len(group) > 1:
             ms, others = wait(group[0].call_cpu.remote(group[-1], settings.host_calls), f"{rtype.name} calls")
