@@ -135,6 +135,23 @@ static inline uint32_t *row_meta(const store_t *s, uint32_t r) { /* [count, last
 static inline float *row_w(const store_t *s, uint32_t r) { return (float *)(row_ptr(s, r) + s->w_off); }
 static inline float *row_acc(const store_t *s, uint32_t r) { return row_w(s, r) + s->dim; }
 
+/* row r takes item j of the caller's weights, accumulators and [count, last_seen] buffers (each may be
+   absent: buf NULL); without counters a row is seen once, now */
+static void row_from_buffers(store_t *s, uint32_t r, int64_t j, const Py_buffer *wb, const Py_buffer *ab,
+                             const Py_buffer *mb, uint32_t step) {
+    if (wb->buf) memcpy(row_w(s, r), (const float *)wb->buf + (size_t)j * s->dim, 4 * (size_t)s->dim);
+    if (ab->buf) memcpy(row_acc(s, r), (const float *)ab->buf + (size_t)j * s->acc_w, 4 * (size_t)s->acc_w);
+    if (s->track) {
+        uint32_t *m = row_meta(s, r);
+        if (mb->buf) memcpy(m, (const uint32_t *)mb->buf + 2 * (size_t)j, 8);
+        else {
+            m[0] = 1;
+            m[1] = step;
+        }
+        if (!m[0]) m[0] = 1; /* count 0 marks a free row */
+    }
+}
+
 /* row r was written (it is below the segments' end, which the bitmaps cover) */
 static inline void store_mark(store_t *s, uint32_t r) {
     if (s->recording) s->dirty[r >> 6] |= (uint64_t)1 << (r & 63);
@@ -893,17 +910,7 @@ static PyObject *Rows_load(Rows *t, PyObject *args) {
             ok = 0;
             break;
         }
-        if (wb.buf) memcpy(row_w(s, r), (const float *)wb.buf + (size_t)j * s->dim, 4 * (size_t)s->dim);
-        if (ab.buf) memcpy(row_acc(s, r), (const float *)ab.buf + (size_t)j * s->acc_w, 4 * (size_t)s->acc_w);
-        if (s->track) {
-            uint32_t *m = row_meta(s, r);
-            if (mb.buf) memcpy(m, (const uint32_t *)mb.buf + 2 * (size_t)j, 8);
-            else {
-                m[0] = 1;
-                m[1] = t->step;
-            }
-            if (!m[0]) m[0] = 1; /* count 0 marks a free row */
-        }
+        row_from_buffers(s, r, j, &wb, &ab, &mb, t->step);
     }
     if (!ok) { /* leave an empty store rather than a partial one */
         int dim = s->dim, acc_w = s->acc_w, track = s->track;
@@ -1060,17 +1067,7 @@ static PyObject *Rows_apply(Rows *t, PyObject *args) {
             ok = 0;
             break;
         }
-        if (wb.buf) memcpy(row_w(s, r), (const float *)wb.buf + (size_t)j * s->dim, 4 * (size_t)s->dim);
-        if (ab.buf) memcpy(row_acc(s, r), (const float *)ab.buf + (size_t)j * s->acc_w, 4 * (size_t)s->acc_w);
-        if (s->track) {
-            uint32_t *m = row_meta(s, r);
-            if (mb.buf) memcpy(m, (const uint32_t *)mb.buf + 2 * (size_t)j, 8);
-            else {
-                m[0] = 1;
-                m[1] = t->step;
-            }
-            if (!m[0]) m[0] = 1; /* count 0 marks a free row */
-        }
+        row_from_buffers(s, r, j, &wb, &ab, &mb, t->step);
     }
     PyBuffer_Release(&kb);
     PyBuffer_Release(&rb);
