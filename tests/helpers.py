@@ -63,22 +63,37 @@ def cloud_problem_with_runtime_terms(folder: Path, throughput_min: float | None 
     return path
 
 
+def local_job(name: str, model: dict, dataset: Path, output: Path, **fields) -> JobConfig:
+    """A job on the local two-type cluster with the tests' defaults (no floor, 10,000 samples, seed 3,
+    2 micro-batches, 2 batches in flight); `fields` replace top-level keys, `runtime` is merged."""
+    runtime = {"micro_batches": 2, "max_in_flight": 2, **fields.pop("runtime", {})}
+    raw = {
+        "name": name,
+        "model": model,
+        "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
+        "data": {"path": str(dataset)},
+        "batch_size": TINY_BATCH,
+        "samples": 10_000,
+        "throughput_min": 0,
+        "mode": "sync",
+        "output_dir": str(output),
+        "seed": 3,
+        **fields,
+        "runtime": runtime,
+    }
+    return JobConfig.model_validate(raw)
+
+
 def tiny_sync_job(name: str, dataset: Path, output: Path, checkpoint_every: int = 0) -> JobConfig:
     """A sync ctr_dnn job on the local two-type cluster, small enough to train in seconds."""
-    return JobConfig.model_validate(
-        {
-            "name": name,
-            "model": TINY_MODEL,
-            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-            "data": {"path": str(dataset)},
-            "batch_size": TINY_BATCH,
-            "samples": 2_000,
-            "throughput_min": 0,
-            "mode": "sync",
-            "output_dir": str(output),
-            "seed": 7,
-            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": checkpoint_every},
-        }
+    return local_job(
+        name,
+        TINY_MODEL,
+        dataset,
+        output,
+        samples=2_000,
+        seed=7,
+        runtime={"checkpoint_every": checkpoint_every},
     )
 
 

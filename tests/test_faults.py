@@ -12,8 +12,9 @@ import psutil
 import pytest
 import ray
 from fault_injection import ActorKiller, PhaseKiller
+from helpers import local_job
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import RunSummary, train
@@ -37,20 +38,8 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def make_job(dataset: Path, output: Path, mode: str = "sync", **runtime) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "name": f"faults-{mode}",
-            "model": MODEL,
-            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-            "data": {"path": str(dataset)},
-            "batch_size": BATCH,
-            "samples": 10_000,
-            "throughput_min": 0,
-            "mode": mode,
-            "output_dir": str(output),
-            "seed": 3,
-            "runtime": {"micro_batches": 2, "max_in_flight": 2, "checkpoint_every": EVERY, **runtime},
-        }
+    return local_job(
+        f"faults-{mode}", MODEL, dataset, output, mode=mode, runtime={"checkpoint_every": EVERY, **runtime}
     )
 
 

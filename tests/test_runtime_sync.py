@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import local_job
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
@@ -35,23 +36,9 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def make_job(dataset: Path, output: Path, **changes) -> JobConfig:
-    runtime = {"micro_batches": 2, "max_in_flight": 2, **changes.pop("runtime", {})}
-    raw = {
-        "name": "sync-test",
-        "model": MODEL,
-        "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-        "data": {"path": str(dataset)},
-        "batch_size": BATCH,
-        "samples": 10_000,
-        "throughput_min": 0,
-        "mode": "sync",
-        "output_dir": str(output),
-        "seed": 5,
-        "optimizer": {"dense_lr": 0.003},
-        "runtime": runtime,
-        **changes,
-    }
-    return JobConfig.model_validate(raw)
+    changes.setdefault("optimizer", {"dense_lr": 0.003})
+    model = changes.pop("model", MODEL)
+    return local_job("sync-test", model, dataset, output, seed=5, **changes)
 
 
 @pytest.fixture(scope="module")
