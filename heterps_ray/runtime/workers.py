@@ -49,7 +49,8 @@ def spare_core(torch_threads: int) -> bool:
     machine's cores unless something pinned it). Without one, threads beside torch's slow it down:
     on a 2-core machine a 2-thread DataWorker with its reader and optimizer step on threads of their
     own ran at 0.71x of the same loop in one thread (BENCHMARKS.md "The Criteo-shaped epoch")."""
-    return len(os.sched_getaffinity(0)) > torch_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores > torch_threads
 
 __all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
 
