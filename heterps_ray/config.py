@@ -246,13 +246,15 @@ class OptimizerConfig(BaseModel):
 
 
 class TableConfig(BaseModel):
-    """Admission and eviction of the sparse table's rows (heterps_ray.ps.table.SparseTable); all
-    off by default, so every key gets a row at first sight and keeps it."""
+    """Admission and eviction of the sparse table's rows (heterps_ray.ps.table.SparseTable). By
+    default a key gets a row at the 2nd batch that shows it (until then it reads zeros) and keeps
+    it: on Criteo-Kaggle-shaped data that holds 78% fewer rows (53% fewer bytes) for 0.00005 AUC
+    (BENCHMARKS.md "Admission"). ``admit_after: 1`` gives every key a row at first sight."""
 
     model_config = _STRICT
 
     admit_after: int = Field(
-        1, ge=1, description="batches that must show a key before it gets a row (until then it reads zeros)"
+        2, ge=1, description="batches that must show a key before it gets a row (until then zeros; 1: at once)"
     )
     ttl_batches: int = Field(
         0, ge=0, description="a row not seen for this many batches is dropped (0: never)"

@@ -84,6 +84,27 @@ def test_dictionary_and_chunked_values_hash_like_plain_strings():
     assert hash_slot(pa.array([None, None], pa.string()), 7).tolist() == [expected[1]] * 2
 
 
+def test_keys_hashed_in_c_equal_the_documented_pandas_siphash():
+    """The keys are hashed in C from the Arrow buffers (no Python strings, no GIL); they must be
+    exactly the documented pandas.util.hash_array keys: every length around SipHash's 8-byte
+    blocks, multi-byte UTF-8, empty and missing values, sliced and chunked arrays."""
+    from pandas.util import hash_array
+
+    from heterps_ray.data.criteo import _HASH_KEY, splitmix64
+
+    rng = np.random.default_rng(0)
+    alphabet = list("abcdef0123456789") + ["é", "中", "😀", " "]
+    values = ["".join(rng.choice(alphabet, n)) for n in list(range(25)) * 20] + ["", "x" * 64]
+    column = pa.array([*values, None], pa.string())
+    for slot in (0, 25):
+        pandas = hash_array(np.array([*values, ""], dtype=object), "utf8", _HASH_KEY, categorize=False)
+        expected = splitmix64(pandas ^ splitmix64(np.array([slot], np.uint64))).view(np.int64)
+        np.testing.assert_array_equal(hash_slot(column, slot), expected)
+        np.testing.assert_array_equal(hash_slot(column.slice(37, 101), slot), expected[37:138])
+        chunked = pa.chunked_array([column.slice(0, 7), column.slice(7)])
+        np.testing.assert_array_equal(hash_slot(chunked, slot), expected)
+
+
 def test_keys_identical_across_processes(criteo_sample, tmp_path):
     out = tmp_path / "keys.npy"
     code = (

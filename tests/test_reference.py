@@ -9,7 +9,7 @@ import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from heterps_ray.config import OptimizerConfig
+from heterps_ray.config import OptimizerConfig, TableConfig
 from heterps_ray.models import MODELS, loss_fn
 from heterps_ray.runtime.evaluation import auc, logloss
 from heterps_ray.runtime.reference import ReferenceTrainer, dense_optimizer, sparse_table
@@ -91,15 +91,21 @@ def test_reference_learns_a_hidden_logistic_model(name, small, steps):
     assert len(trainer.table) == 26 * data.vocab  # every key seen, evaluation created no rows
 
 
-def test_evaluation_leaves_the_table_alone():
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_evaluation_leaves_the_table_alone(admit_after):
     data = _HiddenLogistic()
-    trainer = ReferenceTrainer(MODELS["ctr_dnn"](), OptimizerConfig(), seed=0)
+    trainer = ReferenceTrainer(
+        MODELS["ctr_dnn"](), OptimizerConfig(), seed=0, table=TableConfig(admit_after=admit_after)
+    )
     trainer.train_step(data.batch(32)[0])
-    rows = len(trainer.table)
+    trainer.train_step(data.batch(32)[0])
+    before = trainer.table.stats()
+    assert before["rows"] > 0
     batch = data.batch(500)[0]
     batch["keys"][:, 0] += 10**12  # keys never trained on
     first = trainer.predict(batch)
-    assert len(trainer.table) == rows
+    after = trainer.table.stats()  # no row made, and no key brought nearer its admission
+    assert (after["rows"], after["candidates"]) == (before["rows"], before["candidates"])
     np.testing.assert_array_equal(first, trainer.predict(batch))
 
 
@@ -119,9 +125,9 @@ def test_training_split_into_stages_reproduces_the_reference_exactly(name):
     optimizers = [dense_optimizer(stage.parameters(), optimizer) for stage in stages]
     table = sparse_table(spec, optimizer, seed=9)
     staged_losses = []
-    for batch in batches:
+    for step, batch in enumerate(batches):
         flat = batch["keys"].ravel()
-        emb = torch.from_numpy(table.pull(flat)).view(len(batch["keys"]), spec.num_slots, -1)
+        emb = torch.from_numpy(table.pull(flat, step=step)).view(len(batch["keys"]), spec.num_slots, -1)
         emb.requires_grad_(True)
         inputs = [(torch.from_numpy(batch["dense"]), emb)]
         outputs = []
@@ -169,7 +175,11 @@ def test_reference_runs_end_to_end_on_the_criteo_sample(criteo_sample):
     probabilities = 1 / (1 + np.exp(-logits))
     assert metrics["logloss"] == pytest.approx(log_loss(held_out["label"], probabilities), rel=1e-6)
     assert metrics["logloss"] < untrained["logloss"] - 0.02
-    assert len(trainer.table) == len(np.unique(train["keys"]))
+    # the default table admits a key at the 2nd of the five batches that show it
+    batches_seen = np.unique(
+        np.concatenate([np.unique(train["keys"][i : i + 32]) for i in range(0, 160, 32)]), return_counts=True
+    )[1]
+    assert TableConfig().admit_after == 2 and len(trainer.table) == (batches_seen >= 2).sum() > 0
 
 
 def _write_job(tmp_path, **changes) -> str:

@@ -17,7 +17,6 @@ from heterps_ray.cli import main
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.errors import DataError
-from heterps_ray.ps.table import initial_rows
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import SUMMARY_FILE, train
 from heterps_ray.serving.export import DENSE_FILE, EMBEDDINGS_FILE, MANIFEST
@@ -83,8 +82,8 @@ def test_exported_dense_net_and_rows_loaded_with_plain_torch_give_the_same_logit
     assert set(manifest["files"]) == {DENSE_FILE, EMBEDDINGS_FILE}
     assert "siphash24" in manifest["feature_hashing"]["sparse"]["key"]
 
-    # What a serving stack does, with torch and pyarrow only: look the keys up, unseen keys get their
-    # initial rows (the manifest's seed and scale), run the TorchScript net.
+    # What a serving stack does, with torch and pyarrow only: look the keys up, unseen keys get what the
+    # manifest's rule says (the default table admits a key at its 2nd batch: zeros), run the TorchScript net.
     net = torch.jit.load(str(out / DENSE_FILE))
     rows = pq.read_table(out / EMBEDDINGS_FILE)
     assert rows.schema.field("vector").type == pa.list_(pa.float32(), 4)
@@ -94,8 +93,8 @@ def test_exported_dense_net_and_rows_loaded_with_plain_torch_give_the_same_logit
     keys = batch["keys"].ravel()
     unseen = np.array([k not in table for k in keys])
     assert unseen.any() and not unseen.all()  # eval rows carry keys the training never saw
-    seed, scale = manifest["unseen_keys"]["seed"], manifest["unseen_keys"]["init_scale"]
-    emb = initial_rows(keys, 4, seed, scale)
+    assert manifest["unseen_keys"]["rule"].startswith("zeros") and manifest["unseen_keys"]["admit_after"] == 2
+    emb = np.zeros((len(keys), 4), np.float32)
     emb[~unseen] = np.stack([table[k] for k in keys[~unseen]])
     with torch.no_grad():
         logits = net(torch.from_numpy(batch["dense"]), torch.from_numpy(emb).view(len(batch["label"]), -1, 4))

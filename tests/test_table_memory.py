@@ -65,6 +65,7 @@ def _job_file(tmp_path: Path, data: Path, cluster: Any = "local.yaml", **changes
         "mode": "sync",
         "scheduler": "exact",
         "output_dir": str(tmp_path / "out"),
+        "table": {"admit_after": 1},  # the untracked row store's figures; admission is the test's choice
         **changes,
     }
     path = tmp_path / "job.yaml"

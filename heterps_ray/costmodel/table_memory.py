@@ -5,9 +5,11 @@ The table's expected rows are the distinct values of each sparse slot that ``_me
 ``batch_size`` values when the job stops early, ``ttl_batches`` × ``batch_size`` live rows when rows
 expire. A row costs :func:`~heterps_ray.ps.table.stored_bytes_per_row`: its payload (key, weights,
 Adagrad state, counters when admission, TTL or a cap is on) and the index at its sparsest (149.3 B/row
-at dim 16 untracked, measured: BENCHMARKS.md "Table memory"). Admission (``admit_after`` > 1) is not
-discounted: ``_meta.json`` counts distinct values but not how often each occurs, so the share admission
-keeps is unknown and every distinct value is counted (an upper bound).
+at dim 16 untracked, measured: BENCHMARKS.md "Table memory"). Admission (``admit_after`` > 1, the default
+2) is not discounted: ``_meta.json`` counts distinct values but not how often each occurs, so the share
+admission keeps is unknown and every distinct value is counted as a row (an upper bound: a key waiting
+for admission holds 16 B and its index slot, less than a row; on Criteo-shaped data admission 2 held
+22-24% of the distinct values as rows and 47-49% of the bytes, BENCHMARKS.md "Admission").
 
 Each resource type has a budget: the table memory one of its actors may hold
 (:meth:`~heterps_ray.config.ClusterConfig.table_memory_gb`). PS shard actors on the PS type split the

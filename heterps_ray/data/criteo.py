@@ -425,19 +425,41 @@ def _hash_chunk(values: pa.Array, slot: int) -> np.ndarray:
     dictionary = values.dictionary
     if not pa.types.is_string(dictionary.type):
         dictionary = pc.cast(dictionary, pa.string())
+    if dictionary.null_count:
+        dictionary = pc.fill_null(dictionary, "")
     # A missing value is the empty string: its key is appended as the last entry.
-    uniques = np.append(dictionary.to_numpy(zero_copy_only=False), "").astype(object)
-    keys = _keys_of(uniques, slot)
-    indices = pc.fill_null(values.indices, len(uniques) - 1)
+    keys = _keys_of(dictionary, slot)
+    indices = pc.fill_null(values.indices, len(keys) - 1)
     return keys[indices.to_numpy(zero_copy_only=False)]
 
 
-def _keys_of(values: np.ndarray, slot: int) -> np.ndarray:
-    from pandas.util import hash_array
+def _keys_of(values: pa.StringArray, slot: int) -> np.ndarray:
+    """int64 keys of `values` (no nulls) and, last, of the empty string. SipHash-2-4 runs in C on
+    the Arrow buffers without the GIL (heterps_ray.ps._rows.siphash_strings): through Python
+    strings (pandas.util.hash_array) a Criteo-shaped chunk's ~10^5 distinct values held the GIL
+    for tenths of a second, and a DataWorker's reader thread stalled its training thread by that
+    much (BENCHMARKS.md "The Criteo-shaped epoch"). The final mixing is pandas' own."""
+    try:
+        from heterps_ray.ps._rows import siphash_strings
+    except ImportError as exc:  # pragma: no cover - an extension built before the hashing moved to C
+        raise ImportError(
+            "heterps_ray.ps._rows is not built, or was built from an older _rows.c: rebuild it with "
+            "`pip install -e .` (or `python setup.py build_ext --inplace`) in the repository"
+        ) from exc
 
-    hashed = hash_array(values, encoding="utf8", hash_key=_HASH_KEY, categorize=False)
+    n = len(values)
+    hashed = np.zeros(n + 1, dtype=np.uint64)  # the last: SipHash of b""
+    _, offsets, data = values.buffers()
+    siphash_strings(hashed[:n], _HASH_KEY.encode(), offsets, data, values.offset, n)
+    siphash_strings(hashed[n:], _HASH_KEY.encode(), np.zeros(2, np.int32), None, 0, 1)
+    # pandas.util.hash_array's redistribution of the 64-bit values (its _hash_ndarray)
+    hashed ^= hashed >> np.uint64(30)
+    hashed *= np.uint64(0xBF58476D1CE4E5B9)
+    hashed ^= hashed >> np.uint64(27)
+    hashed *= np.uint64(0x94D049BB133111EB)
+    hashed ^= hashed >> np.uint64(31)
     salt = splitmix64(np.array([slot], dtype=np.uint64))
-    return splitmix64(hashed.astype(np.uint64) ^ salt).view(np.int64)
+    return splitmix64(hashed ^ salt).view(np.int64)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

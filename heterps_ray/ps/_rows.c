@@ -1176,9 +1176,113 @@ static PyObject *hll_add_strings(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Key hashing of categorical values (heterps_ray.data.criteo.hash_slot)                          */
+
+#define SIP_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIP_ROUND                                                                                 \
+    do {                                                                                          \
+        v0 += v1; v1 = SIP_ROTL(v1, 13); v1 ^= v0; v0 = SIP_ROTL(v0, 32);                         \
+        v2 += v3; v3 = SIP_ROTL(v3, 16); v3 ^= v2;                                                \
+        v0 += v3; v3 = SIP_ROTL(v3, 21); v3 ^= v0;                                                \
+        v2 += v1; v1 = SIP_ROTL(v1, 17); v1 ^= v2; v2 = SIP_ROTL(v2, 32);                         \
+    } while (0)
+
+static inline uint64_t load_le64(const uint8_t *p) {
+    return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24 |
+           (uint64_t)p[4] << 32 | (uint64_t)p[5] << 40 | (uint64_t)p[6] << 48 | (uint64_t)p[7] << 56;
+}
+
+/* SipHash-2-4 with a 64-bit result (Aumasson & Bernstein's reference; what pandas' hash_array
+ * computes for a string, before its own final mixing) */
+static uint64_t siphash24(const uint8_t *in, int64_t len, uint64_t k0, uint64_t k1) {
+    uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
+    uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+    uint64_t b = (uint64_t)len << 56;
+    const uint8_t *end = in + (len - (len & 7));
+    for (; in != end; in += 8) {
+        uint64_t m = load_le64(in);
+        v3 ^= m;
+        SIP_ROUND;
+        SIP_ROUND;
+        v0 ^= m;
+    }
+    switch (len & 7) {
+    case 7: b |= (uint64_t)in[6] << 48; /* fall through */
+    case 6: b |= (uint64_t)in[5] << 40; /* fall through */
+    case 5: b |= (uint64_t)in[4] << 32; /* fall through */
+    case 4: b |= (uint64_t)in[3] << 24; /* fall through */
+    case 3: b |= (uint64_t)in[2] << 16; /* fall through */
+    case 2: b |= (uint64_t)in[1] << 8;  /* fall through */
+    case 1: b |= (uint64_t)in[0]; break;
+    case 0: break;
+    }
+    v3 ^= b;
+    SIP_ROUND;
+    SIP_ROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    SIP_ROUND;
+    SIP_ROUND;
+    SIP_ROUND;
+    SIP_ROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/* siphash_strings(out uint64[length], key bytes[16], offsets int32 buffer, data buffer | None,
+ *                 offset, length): SipHash-2-4 of each value of an Arrow string array without
+ *                 nulls (its UTF-8 bytes), without the GIL: the reader thread hashes while the
+ *                 training thread runs */
+static PyObject *siphash_strings(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *out_o, *oo, *dob;
+    const char *key;
+    Py_ssize_t key_len, offset, length;
+    if (!PyArg_ParseTuple(args, "Oy#OOnn", &out_o, &key, &key_len, &oo, &dob, &offset, &length)) return NULL;
+    if (key_len != 16 || offset < 0 || length < 0) {
+        PyErr_SetString(PyExc_ValueError, "need a 16-byte key, offset >= 0, length >= 0");
+        return NULL;
+    }
+    Py_buffer outb, ob, db = {0};
+    if (get_buf(out_o, &outb, 1, 8, length, "out") < 0) return NULL;
+    if (PyObject_GetBuffer(oo, &ob, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&outb);
+        return NULL;
+    }
+    int ok = 1;
+    if (dob != Py_None && PyObject_GetBuffer(dob, &db, PyBUF_SIMPLE) < 0) ok = 0;
+    if (ok && ob.len < (offset + length + 1) * 4) {
+        PyErr_SetString(PyExc_ValueError, "offsets buffer too short");
+        ok = 0;
+    }
+    const int32_t *off = (const int32_t *)ob.buf + offset;
+    if (ok && length && (off[0] < 0 || off[length] > db.len || off[length] < off[0])) {
+        PyErr_SetString(PyExc_ValueError, "data buffer too short");
+        ok = 0;
+    }
+    if (ok) {
+        static const uint8_t empty[8] = {0};
+        const uint8_t *data = db.buf ? (const uint8_t *)db.buf : empty;
+        const uint64_t k0 = load_le64((const uint8_t *)key), k1 = load_le64((const uint8_t *)key + 8);
+        uint64_t *res = outb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < length; i++) {
+            int64_t n = off[i + 1] - off[i];
+            res[i] = siphash24(n > 0 ? data + off[i] : empty, n > 0 ? n : 0, k0, k1);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&outb);
+    PyBuffer_Release(&ob);
+    if (db.obj) PyBuffer_Release(&db);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"hll_add_strings", hll_add_strings, METH_VARARGS,
      "hll_add_strings(registers, p, offsets, data, validity, offset, length)"},
+    {"siphash_strings", siphash_strings, METH_VARARGS,
+     "siphash_strings(out, key, offsets, data, offset, length)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,6 +4,12 @@ and splits their keys by PS shard while the worker trains on the current one.
 pyarrow and numpy release the GIL for their heavy work, so on a machine with a core to spare the
 reading leaves the training loop's critical path; the bounded queue keeps at most `depth` batches
 read ahead. An error in the thread is raised in the consumer, on the batch where it happened.
+
+Without a core to spare (``thread=False``: the worker's torch threads take every core it has), the
+items are read in the consumer's own thread when asked for, as the reference trainer reads: a
+reader thread would then run on a core torch's threads are using, and each of their parallel
+regions waits at its barrier for the thread the reader pre-empted (BENCHMARKS.md "The
+Criteo-shaped epoch").
 """
 
 from __future__ import annotations
@@ -19,11 +25,19 @@ _END = object()
 class Prefetcher:
     """Iterates `source()`'s items, each mapped through `prepare`, computed up to `depth` ahead."""
 
-    def __init__(self, source: Callable[[], Iterator[Any]], prepare: Callable[[Any], Any], depth: int = 2):
+    def __init__(
+        self,
+        source: Callable[[], Iterator[Any]],
+        prepare: Callable[[Any], Any],
+        depth: int = 2,
+        thread: bool = True,
+    ):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._inline: Iterator[Any] | None = None if thread else (prepare(item) for item in source())
         self._thread = threading.Thread(target=self._fill, args=(source, prepare), daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     def _fill(self, source: Callable[[], Iterator[Any]], prepare: Callable[[Any], Any]) -> None:
         try:
@@ -48,6 +62,8 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Any:
+        if self._inline is not None:
+            return next(self._inline)
         item = self._queue.get()
         if item is _END:
             self._queue.put(_END)  # stay exhausted
@@ -58,6 +74,9 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the thread (it may be blocked on a full queue) and drop what it read ahead."""
+        if self._inline is not None:
+            self._inline = iter(())
+            return
         self._stop.set()
         while True:
             try:

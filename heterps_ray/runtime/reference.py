@@ -4,14 +4,21 @@ must reproduce exactly in sync mode.
 One training step, in order:
 
 1. pull the sparse rows for ``keys.ravel()`` from the :class:`SparseTable` (rows created lazily);
-2. make them a leaf tensor ``emb`` [B, slots, dim] that requires grad;
-3. forward the whole model on ``(dense, emb)``; loss = mean BCE with logits;
-4. backward; one dense optimizer step (Adam or SGD over the model's parameters);
-5. push ``emb.grad`` to the table (Adagrad; repeated keys' gradients summed).
+2. per micro-batch (``micro_batches`` equal slices of the batch, 1 by default; a sync job's
+   ``runtime.micro_batches``, as its DataWorker cuts them): make its rows a leaf tensor ``emb``
+   [b, slots, dim] that requires grad, forward the whole model on ``(dense, emb)``, loss = mean
+   BCE with logits, backward of loss x b/B (the dense gradients add up over the micro-batches);
+3. one dense optimizer step (Adam or SGD over the model's parameters);
+4. push the micro-batches' ``emb.grad`` to the table (Adagrad; repeated keys' gradients summed).
+
+The micro-batches sum to the batch's gradient, yet not bit for bit: a matrix product over b rows
+rounds differently from one over B. Mostly that stays at 1e-7, but a model can amplify it (AutoInt
+with admission on: BENCHMARKS.md "Admission"), so the ground truth of a micro-batched sync run is
+the reference cut into the same micro-batches.
 
 Example::
 
-    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed, table=job.table)
+    trainer = ReferenceTrainer.for_job(job)   # the job's model, optimizers, table: and micro-batches
     history = trainer.fit(Dataset(job.data.path), batch_size=512)
     trainer.evaluate(Dataset(job.data.path).load("eval"))   # {"auc": ..., "logloss": ...}
 """
@@ -27,7 +34,7 @@ import numpy as np
 import torch
 
 from heterps_ray.config import JobConfig, OptimizerConfig, TableConfig
-from heterps_ray.models import LayerChain, ModelSpec, loss_fn
+from heterps_ray.models import LayerChain, ModelSpec, build_model, loss_fn
 from heterps_ray.ps.atomic import write_bytes_atomic
 from heterps_ray.ps.table import SparseTable
 from heterps_ray.runtime.evaluation import evaluate_logits
@@ -81,33 +88,54 @@ class ReferenceTrainer:
         seed: int = 0,
         table: TableConfig | None = None,
         device: torch.device | None = None,
+        micro_batches: int = 1,
     ):
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 (got {micro_batches})")
         self.model = model
+        self.micro_batches = micro_batches
         self.device = device or torch.device("cpu")
         self.table = sparse_table(model, optimizer, seed, table)
         self.net: LayerChain = model.build(0, model.num_layers, seed).to(self.device)
         self.optimizer = dense_optimizer(self.net.parameters(), optimizer)
         self.steps = 0
 
+    @classmethod
+    def for_job(cls, job: JobConfig) -> ReferenceTrainer:
+        """The ground truth of `job`'s sync run: its model, optimizers, seed, ``table:`` section, and
+        its ``runtime.micro_batches`` when the job is sync (an async run's micro-batches each pull and
+        push, which no single process reproduces)."""
+        micro_batches = job.runtime.micro_batches if job.mode == "sync" else 1
+        return cls(build_model(job.model), job.optimizer, job.seed, job.table, micro_batches=micro_batches)
+
     def train_step(self, batch: Batch) -> float:
         """One step on one batch; returns the batch's mean loss (before the update)."""
         keys = batch["keys"]
-        batch_size = len(keys)
+        batch_size, k = len(keys), self.micro_batches
+        if batch_size % k:
+            raise ValueError(f"micro_batches ({k}) must divide the batch's {batch_size} rows")
         rows = self.table.pull(keys.ravel(), step=self.steps)  # the batch index: the table's clock
-        emb = torch.from_numpy(rows).view(batch_size, self.model.num_slots, self.model.embedding_dim)
-        emb = emb.to(self.device).requires_grad_(True)  # on the CPU: the same tensor
-        dense = torch.from_numpy(np.ascontiguousarray(batch["dense"], dtype=np.float32)).to(self.device)
-        label = torch.from_numpy(np.ascontiguousarray(batch["label"], dtype=np.float32)).to(self.device)
+        rows = rows.reshape(batch_size, self.model.num_slots, self.model.embedding_dim)
+        dense = np.ascontiguousarray(batch["dense"], dtype=np.float32)
+        label = np.ascontiguousarray(batch["label"], dtype=np.float32)
+        grads = np.empty_like(rows)
         self.net.train()
-        (logit,) = self.net((dense, emb))
-        loss = loss_fn(logit, label)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        mb, loss_sum = batch_size // k, 0.0
+        for j in range(k):
+            part = slice(j * mb, (j + 1) * mb)
+            # on the CPU: the rows' own memory (.to is a no-op)
+            emb = torch.from_numpy(rows[part]).to(self.device).requires_grad_(True)
+            (logit,) = self.net((torch.from_numpy(dense[part]).to(self.device), emb))
+            loss = loss_fn(logit, torch.from_numpy(label[part]).to(self.device))
+            (loss * (mb / batch_size)).backward()  # as the DataWorker scales a micro-batch (sparse.PerBatch)
+            assert emb.grad is not None
+            grads[part] = emb.grad.cpu().numpy()
+            loss_sum += float(loss.item()) * (mb / batch_size)
         self.optimizer.step()
-        assert emb.grad is not None
-        self.table.push(keys.ravel(), emb.grad.view(-1, self.model.embedding_dim).cpu().numpy())
+        self.table.push(keys.ravel(), grads.reshape(-1, self.model.embedding_dim))
         self.steps += 1
-        return float(loss.item())
+        return loss_sum
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
@@ -175,11 +203,10 @@ def run_reference(job: JobConfig, steps: int | None = None, progress: bool = Tru
     directory is empty and `data.synth_rows` is set), evaluate on the eval split, and write
     `output_dir/reference_summary.json`. Returns the summary."""
     from heterps_ray.data.dataset import prepare_dataset
-    from heterps_ray.models import build_model
 
-    model = build_model(job.model)
     dataset = prepare_dataset(job.data, seed=job.seed)
-    trainer = ReferenceTrainer(model, job.optimizer, seed=job.seed, table=job.table)
+    trainer = ReferenceTrainer.for_job(job)
+    model = trainer.model
     history = trainer.fit(
         dataset,
         job.batch_size,

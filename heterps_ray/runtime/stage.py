@@ -13,7 +13,10 @@ Where the dense weights live (the run's mode decides, ``modes.Mode.dense_home``)
 Stepping in the background (local weights): the optimizer step runs on a thread of its own, so the
 worker returns its gradient upstream (or pushes its sparse rows) while the step runs; whatever reads
 or uses the weights next (a forward, a backward, the state) waits for it first (:meth:`settle`).
-torch releases the GIL in its kernels, so the two overlap on a machine with a core to spare.
+torch releases the GIL in its kernels, so the two overlap on a machine with a core to spare. A
+DataWorker whose torch threads take every core it has steps in its own thread instead
+(``background_step = False``): there the step's parallel regions and the worker's would share the
+cores, each waiting at its barriers for threads the other pre-empted.
 
 Weight stashing (async, local weights): a stage may run forwards of later micro-batches before the
 backward of an earlier one steps the optimizer. Each forward then runs on a snapshot of the weights
@@ -167,6 +170,7 @@ class StageCompute:
         self.home = mode.dense_home(stage.replicas)
         self.optimizer: torch.optim.Optimizer | None = None
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-step")
+        self.background_step = True  # the local step on the thread above (else in the caller's)
         self._step: Future[None] | None = None  # the optimizer step still running
         self.dense: DenseReplica | None = None
         has_params = any(True for _ in self.module.parameters())
@@ -229,7 +233,10 @@ class StageCompute:
         in the background (see the module docstring)."""
         if self.optimizer is not None and step:
             self.settle()
-            self._step = self._stepper.submit(self._apply_step, self.optimizer)
+            if self.background_step:
+                self._step = self._stepper.submit(self._apply_step, self.optimizer)
+            else:
+                self._apply_step(self.optimizer)
             return True
         if self.dense is not None:
             self.dense.update()

@@ -12,6 +12,7 @@ submission order on every actor, which is what makes the sync mode's accumulate-
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -41,6 +42,15 @@ from heterps_ray.runtime.worker_base import (
 )
 
 T = TypeVar("T")
+
+
+def spare_core(torch_threads: int) -> bool:
+    """Whether this process may use a core beyond its `torch_threads` (its CPU affinity; all of the
+    machine's cores unless something pinned it). Without one, threads beside torch's slow it down:
+    on a 2-core machine a 2-thread DataWorker with its reader and optimizer step on threads of their
+    own ran at 0.71x of the same loop in one thread (BENCHMARKS.md "The Criteo-shaped epoch")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores > torch_threads
 
 __all__ = ["SPARSE_TABLE", "DataSettings", "DataWorker", "HostedPS", "StageWorker", "WorkerSettings"]
 
@@ -118,6 +128,9 @@ class DataWorker(StageActor):
         self.faults = FaultPoints()  # chaos tests: die inside a call of a given phase (chaos.py)
         self.model = model
         self.compute = stage_compute(stage0, model, settings, dense_ps)
+        # the reader and the optimizer step on threads of their own only with a core to spare
+        self._spare_core = spare_core(settings.torch_threads)
+        self.compute.background_step = self._spare_core
         self.device = self.compute.device
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
@@ -240,7 +253,7 @@ class DataWorker(StageActor):
         def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit]:
             return batch, self.sparse.split(batch["keys"])
 
-        return Prefetcher(batches, prepare)
+        return Prefetcher(batches, prepare, thread=self._spare_core)
 
     def _train_batch(self, batch: dict[str, np.ndarray], split: KeySplit) -> None:
         size = len(batch["label"])
