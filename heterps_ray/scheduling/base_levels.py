@@ -3,11 +3,13 @@
 For a target X a stage (segment i..j on type t) needs k(i,j,t,X) replicas (formulas.fewest_replicas,
 the one replica rule) and costs k · price_t an hour; the shards need their fewest count m(X) reaching X.
 R*(X) is then a shortest path over stage boundaries (segment_paths.cheapest_path) with the per-type
-max_instances as side constraints. When the free path breaks them, a DP that also counts the
-instances of the offending types solves the level exactly (types are added until the path keeps every
-limit: the untracked limits only relax it), or, when that state space is too large, an ILP over the
-same segments (scipy.optimize.milp / HiGHS, no MIP gap) after a Lagrangian bound prunes them. Every
-level is solved exactly, so a level's bound is its rate.
+max_instances as side constraints. When the free path breaks them, a Lagrangian relaxation of the
+limits often finds a path within them that meets its bound (then optimal); else its bound drops the
+segments no cheaper path can use, and a DP that also counts the instances of the offending types
+solves the rest exactly (types are added until the path keeps every limit: the untracked limits only
+relax it), or, when that state space is too large, an ILP over the same segments
+(scipy.optimize.milp / HiGHS, no MIP gap). Every level is solved exactly, so a level's bound is its
+rate.
 
 The bounds the walk uses, each a lower bound for the reason given:
 
@@ -143,30 +145,41 @@ class BaseLevels(LevelPricing):
     ) -> list[tuple[int, int, int]] | None:
         """Cheapest path within max_instances.
 
-        First a DP whose state also counts the instances of the types whose limits the free path
-        breaks (adding types until the path keeps every limit: exact, as the untracked limits only
-        relax it). When that state space is too large: a Lagrangian relaxation of the limits, then
-        the ILP over the segments its bound cannot exclude."""
+        First a Lagrangian relaxation of the limits (`_lagrangian`): often a path within them that
+        meets its lower bound, which is then optimal. Else the segments its bound excludes are dropped
+        and a DP whose state also counts the instances of the types whose limits the free path breaks
+        solves the rest (adding types until the path keeps every limit: exact, as the untracked limits
+        only relax it). When that state space is too large: the ILP over the same segments."""
+        incumbent, kept = self._lagrangian(seg_rate, k, cap, path)
+        if incumbent is not None and kept is None:
+            return incumbent  # proven optimal by the Lagrangian bound
+        rates = seg_rate if kept is None else np.where(kept, seg_rate, np.inf)
         tracked = sorted(int(t) for t in np.flatnonzero(self._usage(path, k) > cap))
         while True:
-            counted = counted_cheapest_path(seg_rate, k, cap, tracked, self.state_limit)
+            counted = counted_cheapest_path(rates, k, cap, tracked, self.state_limit)
             if counted is TOO_MANY_STATES:
-                break
+                return self._ilp(rates, k, cap)
             self.counting_solves += 1
             if counted is None:
-                return None
+                return incumbent  # no path among the kept segments beats it (None: no path at all)
             assert isinstance(counted, list)
             over = np.flatnonzero(self._usage(counted, k) > cap)
             if len(over) == 0:
                 return counted
             tracked = sorted(set(tracked) | {int(t) for t in over})
-        return self._lagrangian_then_ilp(seg_rate, k, cap, path)
 
-    def _lagrangian_then_ilp(
+    def _lagrangian(
         self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
-    ) -> list[tuple[int, int, int]] | None:
-        """Lagrangian relaxation of the limits (subgradient on lambda): lower bounds and often a
-        feasible path that meets them; otherwise the segments its bound cannot exclude go to the ILP."""
+    ) -> tuple[list[tuple[int, int, int]] | None, np.ndarray | None]:
+        """Lagrangian relaxation of the limits (subgradient on lambda >= 0): (the cheapest path within
+        the limits it met, or None; the segments a path cheaper than that one can use, or None when
+        that path is proven optimal or none was met).
+
+        Why a lower bound: for lambda >= 0 and a path P within the limits, rate(P) >= rate(P) +
+        lambda · (usage(P) - cap) = (rate + lambda k)(P) - lambda · cap, and the cheapest path of the
+        weights rate + lambda k is at most the first term. The same weights' cheapest path *through*
+        a segment, less lambda · cap, bounds every path within the limits using it: above the
+        incumbent's rate, no optimal path uses it."""
         T = self.T
         lam = np.zeros(T)
         lower = self._rate(path, seg_rate)  # the unconstrained optimum bounds the constrained one
@@ -184,15 +197,15 @@ class BaseLevels(LevelPricing):
                 if rate < upper:
                     upper, incumbent = rate, candidate
             if upper <= lower * (1.0 + 1e-12):
-                return incumbent
+                return incumbent, None
             violation = (usage - cap).astype(np.float64)
             lam = np.maximum(0.0, lam + step * violation / max(float(np.abs(violation).sum()), 1.0))
             step *= 0.8
-        # prune by the Lagrangian bound of the best path through each segment
+        if incumbent is None:
+            return None, None
         priced = seg_rate + k * lam[None, None, :]
         bound = through(priced) - float(lam @ cap)
-        keep = np.isfinite(seg_rate) & (bound <= upper * (1.0 + 1e-9))
-        return self._ilp(np.where(keep, seg_rate, np.inf), k, cap)
+        return incumbent, np.isfinite(seg_rate) & (bound <= upper * (1.0 + 1e-9))
 
     def _ilp(self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray) -> list[tuple[int, int, int]] | None:
         """The same shortest path with the per-type instance limits, as a 0/1 program."""

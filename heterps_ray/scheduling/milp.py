@@ -1,7 +1,7 @@
 """A second formulation of the optimum, independent of the level walk (issue 26): one mixed-integer
 program over every throughput level at once, solved by HiGHS (scipy.optimize.milp).
 
-The level walk (exact.py, runtime_levels.py) fixes a target throughput X, solves the cheapest cost
+The level walk (levels.py) fixes a target throughput X, solves the cheapest cost
 rate there and steps X upwards, skipping levels by bounds. Here the throughput is a variable instead:
 ``z = 1000 · B / Θ``, the ms per batch the plan takes, and the cost ``R · N / Θ / 3600`` is
 ``N / (3600 · 1000 · B) · Σ price · count · z``, a sum of products of an integer count and ``z``.

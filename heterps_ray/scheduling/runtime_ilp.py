@@ -202,6 +202,10 @@ def solve_case(
         "mip_heuristic_run_rens": False,
         "mip_heuristic_run_root_reduced_cost": False,
     }
+    if objective and math.isfinite(upper):
+        # prune every node that cannot beat the incumbent (a plan at `upper` is known): HiGHS then
+        # reports "infeasible" when nothing cheaper exists, and `RuntimeLevels.solve` keeps the incumbent
+        options["objective_bound"] = upper - m * float(levels.price[levels.ps_type])
     left = levels.deadline - time.perf_counter()
     if math.isfinite(left):
         options["time_limit"] = max(left, 0.1)

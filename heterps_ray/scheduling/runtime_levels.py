@@ -26,10 +26,13 @@ The bounds it gives the walk, each a lower bound for the reason given:
 * the DP bound ``lb(X) <= R*(X)`` (`lower_bound`): every segment weight is at most what a plan using
   the segment pays (its fewest counts at X, within its own type's limit, at their prices; async:
   the loop needs ``k_0 >= loop / c`` DataWorkers, so pricing the loop at ``p_t0 / c`` a ms gives a
-  second weight no plan with its first stage on t0 pays less than), and the shards' fewest count;
+  second weight no plan with its first stage on t0 pays less than; such a plan pays at least each
+  of the two, so at least any mix ``(1 - λ) · first + λ · second``, and the bound is the best mix
+  `_best_mix` finds), and the shards' fewest count;
 * the level bound: HiGHS' dual bound over the segments a plan cheaper than the incumbent can use
   (`_through`, the same weights through each segment, excludes the others); plans using the others
-  cost at least the incumbent, so min(incumbent, dual bound) <= R*(X);
+  cost at least the incumbent, so min(incumbent, dual bound) <= R*(X). HiGHS gets the incumbent as
+  its objective bound (it prunes what cannot beat it): "infeasible" then proves the incumbent R*(X);
 * ``Θ_max`` (`throughput_bound`): a level `reachable` rejects no plan reaches (it checks each stage
   within its own type's limit, the cheapest loop with the most DataWorkers any type has, each host's
   cheapest CPU), and no plan reaching more reaches less, so every plan's Θ is below it.
@@ -136,6 +139,7 @@ class RuntimeLevels(LevelPricing):
         self.shards = np.arange(model.ps_min_shards, int(self.cap[model.ps_type]) + 1)
         self.ilp_solves = 0  # counted by runtime_ilp.solve_case
         self._memo: tuple[float, tuple[float, list[tuple[int, ...]]]] | None = None
+        self._mix: dict[tuple[bool, float, int], float] = {}  # (case, level, weights) -> the best lam
 
     def counters(self) -> dict[str, int]:
         return {"levels_solved": self.ilp_solves, "ilp_solves": self.ilp_solves}
@@ -225,6 +229,7 @@ class RuntimeLevels(LevelPricing):
 
     def _lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
         best, paths = math.inf, []
+        self._mix = {}
         for hosted in self._cases():
             case = self._case(hosted, target)
             if case is None:
@@ -238,21 +243,28 @@ class RuntimeLevels(LevelPricing):
                     paths.append(assignment_of(path))
                 best = min(best, value + fixed)
                 continue
-            for plain, priced in weights:  # type: ignore[misc]
-                v0, p0 = cheapest_path(plain)
-                v1, p1 = cheapest_path(priced)
-                paths += [assignment_of(p) for p in (p0, p1) if p is not None]
-                best = min(best, max(v0, v1) + fixed)
+            for n, (plain, priced) in enumerate(weights):  # type: ignore[misc]
+                value, lam, found = _best_mix(plain, priced)
+                self._mix[(hosted, target, n)] = lam
+                paths += [assignment_of(p) for p in found]
+                best = min(best, value + fixed)
         return best, list(dict.fromkeys(paths))
 
     def _through(self, hosted: bool, target: float, rate: np.ndarray) -> np.ndarray:
-        """Per segment, a lower bound on the $/hour (shards excluded) of any plan using it."""
+        """Per segment, a lower bound on the $/hour (shards excluded) of any plan using it: the
+        cheapest path through it of each weight `lower_bound` minimises (each at most the rate of any
+        plan using the segment), the largest of them."""
         weights = self._weights(hosted, target, rate)
         if self.sync or hosted:
             return through(rate)
+        self.lower_bound(target)  # the mixes' lambdas at this level
         out = np.full(rate.shape, np.inf)
-        for plain, priced in weights:  # type: ignore[misc]
-            out = np.minimum(out, np.maximum(through(plain), through(priced)))
+        for n, (plain, priced) in enumerate(weights):  # type: ignore[misc]
+            bound = np.maximum(through(plain), through(priced))
+            lam = self._mix.get((hosted, target, n), 0.0)
+            if 0.0 < lam < 1.0:
+                bound = np.maximum(bound, through(_mixed(plain, priced, lam)))
+            out = np.minimum(out, bound)
         return out
 
     def _heuristic(
@@ -423,3 +435,43 @@ class RuntimeLevels(LevelPricing):
                 continue
             lo, best = max(lo, reached), level.assignment
         return lo, best
+
+
+def _mixed(plain: np.ndarray, priced: np.ndarray, lam: float) -> np.ndarray:
+    """(1 - lam) plain + lam priced per segment (both inf on the same segments)."""
+    return np.where(np.isfinite(plain), (1.0 - lam) * np.where(np.isfinite(plain), plain, 0.0)
+                    + lam * np.where(np.isfinite(priced), priced, 0.0), np.inf)  # fmt: skip
+
+
+def _best_mix(
+    plain: np.ndarray, priced: np.ndarray, steps: int = 6
+) -> tuple[float, float, list[list[tuple[int, int, int]]]]:
+    """max over lam in [0, 1] of the cheapest path of (1 - lam) plain + lam priced, the lam reaching it
+    and the paths met. Each is a lower bound on the rate of every plan with its first stage on the
+    weights' type: such a plan pays at least plain(P) and at least priced(P) (`_weights`), so at least
+    any mix of the two. The cheapest path of the mix is concave in lam (a minimum of lines), so a
+    bisection on the slope of the path found (priced(P) - plain(P)) climbs to its top; lam 0 and 1
+    are the two weights alone."""
+    v0, p0 = cheapest_path(plain)
+    v1, p1 = cheapest_path(priced)
+    found = [p for p in (p0, p1) if p is not None]
+    best, best_lam = (v0, 0.0) if v0 >= v1 else (v1, 1.0)
+    if p0 is None or p1 is None:
+        return best, best_lam, found
+    top = None
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        lam = 0.5 * (lo + hi)
+        value, path = cheapest_path(_mixed(plain, priced, lam))
+        if path is None:
+            break
+        if value > best:
+            best, best_lam, top = value, lam, path
+        slope = sum(float(priced[s]) - float(plain[s]) for s in path)
+        if slope > 0:
+            lo = lam
+        elif slope < 0:
+            hi = lam
+        else:
+            break
+    return best, best_lam, found + ([top] if top is not None else [])

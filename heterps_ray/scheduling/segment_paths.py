@@ -41,32 +41,35 @@ def suffix(rate: np.ndarray) -> np.ndarray:
     return out
 
 
+def _excluding_with_type(row: np.ndarray, types: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out[t] = min over t' != t of row[t'], the t' it comes from; -1 with one type)."""
+    if len(types) == 1:
+        return np.full(1, np.inf), np.full(1, -1, dtype=np.int64)
+    order = np.argsort(row)
+    other = np.where(types == order[0], order[1], order[0])
+    return row[other], other
+
+
 def cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
     """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
     L, _, T = rate.shape
     best = np.full((L, T), np.inf)
     came_from = np.zeros((L, T), dtype=np.int64)
     prev_type = np.full((L, T), -1, dtype=np.int64)
+    excl = np.full((L, T), np.inf)  # excl[j, t]: min over t' != t of best[j, t'] (a stage on t follows it)
+    excl_type = np.full((L, T), -1, dtype=np.int64)
     types = np.arange(T)
     for j in range(L):
         best[j] = rate[0, j]
-        if j == 0:
-            continue
-        prev = best[:j]
-        if T > 1:
-            order = np.argsort(prev, axis=1)
-            excl_type = np.where(order[:, :1] == types[None, :], order[:, 1:2], order[:, :1])
-            excl = np.take_along_axis(prev, excl_type, axis=1)
-        else:
-            excl_type = np.zeros((j, 1), dtype=np.int64)
-            excl = np.full((j, 1), np.inf)
-        total = excl + rate[1 : j + 1, j]
-        i_best = np.argmin(total, axis=0)
-        value = total[i_best, types]
-        better = value < best[j]
-        best[j] = np.where(better, value, best[j])
-        came_from[j] = np.where(better, i_best + 1, 0)
-        prev_type[j] = np.where(better, excl_type[i_best, types], -1)
+        if j:
+            total = excl[:j] + rate[1 : j + 1, j]
+            i_best = np.argmin(total, axis=0)
+            value = total[i_best, types]
+            better = value < best[j]
+            best[j] = np.where(better, value, best[j])
+            came_from[j] = np.where(better, i_best + 1, 0)
+            prev_type[j] = np.where(better, excl_type[i_best, types], -1)
+        excl[j], excl_type[j] = _excluding_with_type(best[j], types)
     t = int(np.argmin(best[L - 1]))
     value = float(best[L - 1, t])
     if not math.isfinite(value):
@@ -83,10 +86,12 @@ def prefix(rate: np.ndarray) -> np.ndarray:
     """prefix[j, t]: cheapest chain covering layers 0..j whose last stage (on t) ends at j."""
     L, _, T = rate.shape
     best = np.full((L, T), np.inf)
+    excl = np.full((L, T), np.inf)
     for j in range(L):
         best[j] = rate[0, j]
         if j:
-            best[j] = np.minimum(best[j], (excluding(best[:j]) + rate[1 : j + 1, j]).min(axis=0))
+            best[j] = np.minimum(best[j], (excl[:j] + rate[1 : j + 1, j]).min(axis=0))
+        excl[j] = excluding(best[j][None, :])[0]
     return best
 
 
