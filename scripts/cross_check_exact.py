@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "seed": seed, "layers": problem.num_layers, "types": problem.num_types, "model": model,
                 "exact_s": round(seconds, 2), "proven": exact.extra["proof"]["proven"],
-                "feasible": exact.feasible, "best_other": best,
+                "feasible": exact.feasible, "exact_cost": exact_cost if exact.feasible else None,
+                "best_other": best,
                 "ratio_best_other": best_cost / exact_cost if exact.feasible else None, "beats": beats,
             }  # fmt: skip
             print(json.dumps(row), flush=True)

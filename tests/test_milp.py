@@ -5,11 +5,15 @@ meets the floor."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 
 from heterps_ray.costmodel import CostModel, Problem, problem_from_dict
 from heterps_ray.scheduling import get_scheduler, provision_counts
 from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
+from heterps_ray.scheduling.highs import c_stdout_silenced
 from heterps_ray.scheduling.milp import milp_optimum, unsupported_reason
 
 REL = 1e-6  # HiGHS' feasibility tolerances (1e-7 absolute on rows of ms) leave the MILP's cost ~1e-8 off
@@ -79,3 +83,18 @@ def test_the_milp_refuses_what_it_cannot_express_and_says_why():
     assert "ps_hosting: auto" in (unsupported_reason(hosted) or "")
     with pytest.raises(ValueError, match="ps_hosting: auto"):
         milp_optimum(hosted)
+
+
+def test_what_highs_prints_with_c_printf_never_reaches_stdout(capfd):
+    """HiGHS prints some lines with C printf whatever its options say (ERGO-Code/HiGHS#2783), which
+    landed inside `heterps plan`'s output: solve_milp points fd 1 at /dev/null around the call and
+    flushes C's buffers before it points back."""
+    libc = ctypes.CDLL(None)
+    print("before", flush=True)
+    with c_stdout_silenced():
+        libc.printf(b"from C, buffered\n")
+        os.write(1, b"to fd 1\n")
+    libc.printf(b"from C after\n")
+    libc.fflush(None)
+    print("after", flush=True)
+    assert capfd.readouterr().out == "before\nfrom C after\nafter\n"

@@ -218,6 +218,30 @@ def test_heterps_plan_rl_refuses_an_unreachable_floor_from_the_bound_with_exit_3
     assert f"{problem.throughput_min:,.0f} samples/s" in err
 
 
+def test_heterps_plan_exact_past_its_time_limit_prints_its_best_plan_marked_not_proven(tmp_path, capfd):
+    """--budget-s is exact's time limit: past it, the best plan found, said to be not proven. stdout holds
+    the plan and that line only (capfd: what HiGHS prints with C printf, past Python, would show)."""
+    problem = with_runtime_section(
+        generate_problem(5, num_layers=(20, 60), num_types=(3, 6), catalogue="wide", infeasible_share=0.0)
+    )
+    path = problem.save(tmp_path / "large.yaml")
+    out_file = tmp_path / "plan.json"
+    args = ["plan", "--problem", str(path), "--scheduler", "exact", "--output", str(out_file)]
+    assert main([*args, "--budget-s", "0.01"]) == 0
+    printed = capfd.readouterr().out
+    plan = load_plan(out_file, problem)
+    assert plan.feasible and plan.extra["proof"]["proven"] is False
+    assert printed == (
+        f"{plan.table()}\nnot proven optimal: exact stopped (time limit, --budget-s 0.01) before its proof; "
+        f"this is the best plan it found\nplan written to {out_file}\n"
+    )
+    assert main(args) == 0  # no limit: proven, and no dearer than the plan found in time
+    printed = capfd.readouterr().out
+    proven = load_plan(out_file, problem)
+    assert proven.extra["proof"]["proven"] and proven.cost <= plan.cost * (1 + 1e-12)
+    assert printed == f"{proven.table()}\nplan written to {out_file}\n"
+
+
 def test_python_dash_m_heterps_ray_runs_the_cli():
     result = subprocess.run(
         [sys.executable, "-m", "heterps_ray", "plan", "--problem", str(CTR), "--scheduler", "single:t4"],

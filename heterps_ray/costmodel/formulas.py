@@ -65,8 +65,8 @@ def amdahl_replicas(tau_ms: Any, alpha: Any, budget_ms: Any) -> Any:
 def fewest_replicas(batch_size: float, tau_ms: Any, alpha: Any, target: float) -> Any:
     """The fewest whole replicas k with theta_s(k) >= target (samples/s), inf where none does: the
     ceiling of amdahl_replicas, corrected against stage_throughput itself so that float rounding of the
-    closed form never decides whether a count reaches the target. The one replica rule of both level
-    searches (exact.py, runtime_levels.py); the policy's features use amdahl_replicas."""
+    closed form never decides whether a count reaches the target. The one replica rule of the level
+    walk on both models (base_levels.py, runtime_levels.py); the policy's features use amdahl_replicas."""
     tau = np.asarray(tau_ms, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         budget_ms = MS_PER_S * batch_size / np.float64(target)  # inf for a target of 0: one replica

@@ -32,7 +32,9 @@ def register(subparsers: Any) -> None:
         type=float,
         default=None,
         metavar="N",
-        help="time budget for search/training (rl: train a fresh policy on this problem for N s)",
+        help="time budget for search/training (rl: train a fresh policy on this problem for N s; exact: "
+        "a time limit on its search, past which it prints the best plan found, marked not proven, or exits "
+        "3 if it found none)",
     )
     plan.add_argument(
         "--finetune-s",
@@ -88,6 +90,15 @@ def _plan(args: argparse.Namespace) -> int:
     scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s, **options)
     plan = scheduler.schedule(problem)
     print(plan.table())
+    proof = plan.extra.get("proof", {})
+    if proof.get("proven") is False:
+        limit = "" if args.budget_s is None else f", --budget-s {args.budget_s:g}"
+        print(
+            f"not proven optimal: {plan.scheduler} stopped ({proof.get('stop') or 'a solver limit'}{limit}) "
+            "before its proof; this is the best plan it found"
+        )
+        if not plan.feasible:
+            _raise_unfinished(problem, args.problem, plan, args.budget_s)
     if not plan.feasible:
         # before --output is written: a plan that fails never replaces a file already there
         # exact and rl decide infeasibility by an exhaustive search; others know only the plans they tried
@@ -259,6 +270,19 @@ def _raise_bounded(problem: Any, file: str, reached: float, bound: float) -> Non
         f"(1) lower throughput_min to at most {math.floor(reached):,}; (2) raise max_instances of the "
         "resource types (or ps.rows_per_second_per_shard); (3) add a faster resource type.",
         reached,
+    )
+
+
+def _raise_unfinished(problem: Any, file: str, plan: Any, budget_s: float | None) -> None:
+    """The search stopped at its time limit before any plan met the floor: none is proven not to exist."""
+    from heterps_ray.errors import InfeasibleError
+
+    raise InfeasibleError(
+        f"{file}: {plan.scheduler} found no plan that meets the floor throughput_min = "
+        f"{problem.throughput_min:,.0f} samples/s within its time limit (--budget-s {budget_s:g}); that no "
+        f"plan meets it is not proven (the fastest plan it found reaches {plan.throughput:,.0f} samples/s). "
+        "Possible fixes: (1) a larger --budget-s, or none; (2) lower throughput_min.",
+        plan.throughput,
     )
 
 

@@ -1,7 +1,7 @@
 """A second formulation of the optimum, independent of the level walk (issue 26): one mixed-integer
 program over every throughput level at once, solved by HiGHS (scipy.optimize.milp).
 
-The level walk (exact.py, runtime_levels.py) fixes a target throughput X, solves the cheapest cost
+The level walk (levels.py) fixes a target throughput X, solves the cheapest cost
 rate there and steps X upwards, skipping levels by bounds. Here the throughput is a variable instead:
 ``z = 1000 · B / Θ``, the ms per batch the plan takes, and the cost ``R · N / Θ / 3600`` is
 ``N / (3600 · 1000 · B) · Σ price · count · z``, a sum of products of an integer count and ``z``.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +47,7 @@ import numpy as np
 
 from heterps_ray.costmodel import CostModel, Problem
 from heterps_ray.costmodel.formulas import FLOOR_RTOL, MS_PER_S, S_PER_HOUR
+from heterps_ray.scheduling.highs import solve_milp
 from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path
 
 
@@ -182,7 +182,7 @@ class _Program:
         return z * (1.0 + 1e-9) + 1e-12
 
     def solve(self, time_limit_s: float | None, started: float) -> MilpResult:
-        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.optimize import Bounds, LinearConstraint
         from scipy.sparse import coo_matrix
 
         model, L, T = self.model, self.L, self.T
@@ -303,15 +303,13 @@ class _Program:
         options: dict[str, Any] = {"mip_rel_gap": 0.0, "mip_abs_gap": 0.0}
         if time_limit_s is not None:
             options["time_limit"] = float(time_limit_s)
-        with warnings.catch_warnings():  # scipy warns of HiGHS options it does not list, and passes them on
-            warnings.simplefilter("ignore")
-            result = milp(
-                c=c,
-                constraints=LinearConstraint(A.tocsr(), np.array(lo), np.array(hi)),
-                integrality=integrality,
-                bounds=Bounds(var_lo, var_hi),
-                options=options,
-            )
+        result = solve_milp(
+            c=c,
+            constraints=LinearConstraint(A.tocsr(), np.array(lo), np.array(hi)),
+            integrality=integrality,
+            bounds=Bounds(var_lo, var_hi),
+            options=options,
+        )
         if result.status == 2:
             return self._infeasible(started, n)
         if result.x is None:

@@ -2,7 +2,9 @@
 
 A plan is a chain of segments (i, j, t) (layers i..j on type t) covering every layer, adjacent
 segments on different types (else they would be one stage). With a weight per segment ($/hour, or a
-lower bound on it) the cheapest chain is a DP over (layer, type of the last stage) in O(L^2 T^2).
+lower bound on it) the cheapest chain is a DP over (layer, type of the last stage) in O(L^2 T^2);
+with per-type instance limits, the same DP whose state also counts the instances of the types whose
+limits bind (`counted_cheapest_path`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+TOO_MANY_STATES = object()  # counted_cheapest_path: the count states exceed the caller's limit
 
 
 def excluding(best: np.ndarray) -> np.ndarray:
@@ -37,32 +41,35 @@ def suffix(rate: np.ndarray) -> np.ndarray:
     return out
 
 
+def _excluding_with_type(row: np.ndarray, types: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out[t] = min over t' != t of row[t'], the t' it comes from; -1 with one type)."""
+    if len(types) == 1:
+        return np.full(1, np.inf), np.full(1, -1, dtype=np.int64)
+    order = np.argsort(row)
+    other = np.where(types == order[0], order[1], order[0])
+    return row[other], other
+
+
 def cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
     """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
     L, _, T = rate.shape
     best = np.full((L, T), np.inf)
     came_from = np.zeros((L, T), dtype=np.int64)
     prev_type = np.full((L, T), -1, dtype=np.int64)
+    excl = np.full((L, T), np.inf)  # excl[j, t]: min over t' != t of best[j, t'] (a stage on t follows it)
+    excl_type = np.full((L, T), -1, dtype=np.int64)
     types = np.arange(T)
     for j in range(L):
         best[j] = rate[0, j]
-        if j == 0:
-            continue
-        prev = best[:j]
-        if T > 1:
-            order = np.argsort(prev, axis=1)
-            excl_type = np.where(order[:, :1] == types[None, :], order[:, 1:2], order[:, :1])
-            excl = np.take_along_axis(prev, excl_type, axis=1)
-        else:
-            excl_type = np.zeros((j, 1), dtype=np.int64)
-            excl = np.full((j, 1), np.inf)
-        total = excl + rate[1 : j + 1, j]
-        i_best = np.argmin(total, axis=0)
-        value = total[i_best, types]
-        better = value < best[j]
-        best[j] = np.where(better, value, best[j])
-        came_from[j] = np.where(better, i_best + 1, 0)
-        prev_type[j] = np.where(better, excl_type[i_best, types], -1)
+        if j:
+            total = excl[:j] + rate[1 : j + 1, j]
+            i_best = np.argmin(total, axis=0)
+            value = total[i_best, types]
+            better = value < best[j]
+            best[j] = np.where(better, value, best[j])
+            came_from[j] = np.where(better, i_best + 1, 0)
+            prev_type[j] = np.where(better, excl_type[i_best, types], -1)
+        excl[j], excl_type[j] = _excluding_with_type(best[j], types)
     t = int(np.argmin(best[L - 1]))
     value = float(best[L - 1, t])
     if not math.isfinite(value):
@@ -79,10 +86,12 @@ def prefix(rate: np.ndarray) -> np.ndarray:
     """prefix[j, t]: cheapest chain covering layers 0..j whose last stage (on t) ends at j."""
     L, _, T = rate.shape
     best = np.full((L, T), np.inf)
+    excl = np.full((L, T), np.inf)
     for j in range(L):
         best[j] = rate[0, j]
         if j:
-            best[j] = np.minimum(best[j], (excluding(best[:j]) + rate[1 : j + 1, j]).min(axis=0))
+            best[j] = np.minimum(best[j], (excl[:j] + rate[1 : j + 1, j]).min(axis=0))
+        excl[j] = excluding(best[j][None, :])[0]
     return best
 
 
@@ -94,6 +103,80 @@ def through(rate: np.ndarray) -> np.ndarray:
     after[L] = 0.0
     i = np.arange(L)
     return before[i][:, None, :] + rate + after[i + 1][None, :, :]
+
+
+def counted_cheapest_path(
+    seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, tracked: list[int], state_limit: int
+) -> list[tuple[int, int, int]] | None | object:
+    """Cheapest chain of segments whose stages on each `tracked` type use at most cap[t] instances
+    (k[i, j, t] per segment): the DP of `cheapest_path` whose state also counts the instances of the
+    tracked types, (layer, last type, instances used of each). None: no chain keeps the limits;
+    TOO_MANY_STATES: more than `state_limit` count states (the caller solves it another way)."""
+    L, _, T = seg_rate.shape
+    dims = [int(cap[t]) + 1 for t in tracked]
+    U = math.prod(dims)
+    if U > state_limit:
+        return TOO_MANY_STATES
+    coords = np.indices(dims).reshape(len(dims), U) if dims else np.zeros((0, 1), dtype=np.int64)
+    strides = [math.prod(dims[d + 1 :]) for d in range(len(dims))]
+    axis_of = {t: d for d, t in enumerate(tracked)}
+    idx = np.arange(U)
+    best = np.full((L, T, U), np.inf)
+    came_from = np.zeros((L, T, U), dtype=np.int16)  # start layer of the last stage
+    prev_type = np.full((L, T, U), -1, dtype=np.int8)
+    excl = np.full((L, T, U), np.inf)  # excl[j, t]: best[j, t' != t], and which t'
+    excl_type = np.full((L, T, U), -1, dtype=np.int8)
+    start = np.full(U, np.inf)
+    start[0] = 0.0
+    for j in range(L):
+        for t in range(T):
+            # every stage (i..j on t) at once: state u comes from state u - k(i,j,t) of type t's
+            # axis (or u itself, untracked) after a chain to i - 1 whose last stage is not on t
+            starts = np.flatnonzero(np.isfinite(seg_rate[: j + 1, j, t]))
+            if len(starts) == 0:
+                continue
+            chains = np.where(
+                (starts == 0)[:, None], start[None, :], excl[np.maximum(starts - 1, 0), t]
+            )  # [starts, U]
+            if t in axis_of:  # usage of t grows by k: shift the state
+                d = axis_of[t]
+                kk = k[starts, j, t].astype(np.int64)[:, None]
+                ok = coords[d][None, :] >= kk
+                src_idx = np.where(ok, idx[None, :] - kk * strides[d], 0)
+                value = np.where(ok, np.take_along_axis(chains, src_idx, axis=1), np.inf)
+            else:
+                src_idx = np.broadcast_to(idx, chains.shape)
+                value = chains
+            value = value + seg_rate[starts, j, t][:, None]
+            pick = np.argmin(value, axis=0)  # the first (lowest i) of equal values
+            found = value[pick, idx]
+            reached = np.isfinite(found)
+            chosen = starts[pick]
+            from_state = src_idx[pick, idx]
+            best[j, t] = found
+            came_from[j, t] = np.where(reached, chosen, 0)
+            prev_type[j, t] = np.where(
+                reached & (chosen > 0), excl_type[np.maximum(chosen - 1, 0), t, from_state], -1
+            )
+        if T > 1:
+            order = np.argsort(best[j], axis=0)  # [T, U]
+            first, second = order[0], order[1]
+            for t in range(T):
+                other = np.where(first == t, second, first)
+                excl[j, t] = best[j, other, idx]
+                excl_type[j, t] = other
+    flat = int(np.argmin(best[L - 1]))
+    t, u = divmod(flat, U)
+    if not math.isfinite(best[L - 1, t, u]):
+        return None
+    path, j = [], L - 1
+    while j >= 0:
+        i, before = int(came_from[j, t, u]), int(prev_type[j, t, u])
+        path.append((i, j, t))
+        if t in axis_of:
+            u -= int(k[i, j, t]) * strides[axis_of[t]]
+        t, j = before, i - 1
+    return path[::-1]
 
 
 def assignment_of(path: list[tuple[int, int, int]]) -> tuple[int, ...]:

@@ -1,0 +1,324 @@
+"""The base model's levels (DESIGN.md §3): each level of the walk (levels.py) solved by a DP.
+
+For a target X a stage (segment i..j on type t) needs k(i,j,t,X) replicas (formulas.fewest_replicas,
+the one replica rule) and costs k · price_t an hour; the shards need their fewest count m(X) reaching X.
+R*(X) is then a shortest path over stage boundaries (segment_paths.cheapest_path) with the per-type
+max_instances as side constraints. When the free path breaks them, a Lagrangian relaxation of the
+limits often finds a path within them that meets its bound (then optimal); else its bound drops the
+segments no cheaper path can use, and a DP that also counts the instances of the offending types
+solves the rest exactly (types are added until the path keeps every limit: the untracked limits only
+relax it), or, when that state space is too large, an ILP over the same segments
+(scipy.optimize.milp / HiGHS, no MIP gap). Every level is solved exactly, so a level's bound is its
+rate.
+
+The bounds the walk uses, each a lower bound for the reason given:
+
+* `lower_bound(X)`: the relaxed DP's rate, each stage within its own type's limit, not their sum: every
+  plan reaching X is a path of that DP at its own rate (its counts are at least the fewest, each within
+  its type's limit), so the relaxed optimum is at most R*(X);
+* `throughput_bound`: the relaxed max_throughput, >= every plan's throughput: a plan's throughput is
+  one of the candidates {theta_s(k)} U {theta_ps(m)}, and the first candidate the relaxation rejects no
+  plan reaches (a plan reaching it would be a path of the relaxed DP there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from heterps_ray.costmodel import CostModel
+from heterps_ray.costmodel.formulas import fewest_replicas, stage_throughput
+from heterps_ray.scheduling.highs import solve_milp
+from heterps_ray.scheduling.levels import Level, LevelPricing
+from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, provision_counts
+from heterps_ray.scheduling.segment_paths import (
+    TOO_MANY_STATES,
+    cheapest_path,
+    counted_cheapest_path,
+    through,
+)
+
+DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
+
+
+class BaseLevels(LevelPricing):
+    """The base model's pricing of a level: DP, counting DP, or Lagrangian + ILP (module docstring)."""
+
+    method = "levels"
+    kind = "level walk, levels solved by DP"
+
+    def __init__(
+        self, model: CostModel, state_limit: int = DP_STATE_LIMIT, time_limit_s: float | None = None
+    ):
+        super().__init__(model, time_limit_s)
+        self.state_limit = state_limit
+        L, T = model.num_layers, model.num_types
+        self.L, self.T = L, T
+        self.tau, self.alpha = model.segment_tables()  # [L, L, T]
+        self.valid = np.isfinite(self.tau)
+        self.cap = model.max_instances.astype(np.int64)
+        self.shards = np.arange(model.ps_min_shards, int(self.cap[model.ps_type]) + 1)
+        self.ps_table = np.array([model.ps_throughput(int(m)) for m in self.shards])
+        self.solves = 0
+        self.counting_solves = 0
+        self.ilp_solves = 0
+        self._bound: float | None = None
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "levels_solved": self.solves,
+            "counting_dp_solves": self.counting_solves,
+            "ilp_solves": self.ilp_solves,
+        }
+
+    # -- the walk's interface ------------------------------------------------------------------
+
+    def lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
+        """The relaxed DP's rate (module docstring: why it is <= R*(target)) and its assignment."""
+        level = self.solve_level(target, relaxed=True)
+        return (math.inf, []) if level is None else (level.rate, [level.assignment])
+
+    def solve(self, target: float, objective: bool = True) -> Level | None:
+        """The level solved exactly (objective or not: the cheapest plan is also a plan)."""
+        self.proof.solves += 1
+        return self.solve_level(target)
+
+    def throughput_bound(self, known: float) -> float:
+        if self._bound is None:
+            self._bound = self.max_throughput(relaxed=True)
+        return self._bound
+
+    def fastest(self, known: float) -> tuple[float, tuple[int, ...] | None]:
+        bound = self.max_throughput(relaxed=True, known=known)
+        theta_max = self.max_throughput(known=known, bound=bound) if bound > 0.0 else 0.0
+        level = self.solve_level(theta_max) if theta_max > 0.0 and not self.out_of_time() else None
+        return theta_max, None if level is None else tuple(int(t) for t in level.assignment)
+
+    # -- one level -----------------------------------------------------------------------------
+
+    def replicas_needed(self, target: float) -> np.ndarray:
+        """k(i,j,t): fewest replicas of segment (i,j,t) reaching `target` samples/s (huge if none)."""
+        k = fewest_replicas(self.model.batch_size, self.tau, self.alpha, target)
+        return np.minimum(np.where(self.valid, k, np.inf), 1e12)
+
+    def solve_level(self, target: float, relaxed: bool = False) -> Level | None:
+        """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
+
+        relaxed: each stage within its type's limit, but not their sum (a bound, no ILP)."""
+        self.solves += 1
+        model = self.model
+        reach = target * (1.0 - REACH_RTOL)
+        if model.rows_per_sample > 0.0:
+            idx = int(np.searchsorted(self.ps_table, reach, side="left"))
+            if idx >= len(self.shards):
+                return None
+        else:
+            idx = 0
+        m = int(self.shards[idx])
+        cap = self.cap.copy()
+        cap[model.ps_type] -= m
+        k = self.replicas_needed(reach)
+        seg_ok = k <= cap[None, None, :]
+        seg_rate = np.where(seg_ok, k * model.price[None, None, :], np.inf)
+        path = cheapest_path(seg_rate)[1]
+        if path is None:
+            return None
+        usage = self._usage(path, k)
+        if not relaxed and (usage > cap).any():
+            path = self._constrained_path(seg_rate, k, cap, path)
+            if path is None:
+                return None
+        return self._level(path, k, m)
+
+    def _usage(self, path: list[tuple[int, int, int]], k: np.ndarray) -> np.ndarray:
+        usage = np.zeros(self.T, dtype=np.int64)
+        for i, j, t in path:
+            usage[t] += int(k[i, j, t])
+        return usage
+
+    def _rate(self, path: list[tuple[int, int, int]], seg_rate: np.ndarray) -> float:
+        return float(sum(seg_rate[s] for s in path))
+
+    def _constrained_path(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]] | None:
+        """Cheapest path within max_instances.
+
+        First a Lagrangian relaxation of the limits (`_lagrangian`): often a path within them that
+        meets its lower bound, which is then optimal. Else the segments its bound excludes are dropped
+        and a DP whose state also counts the instances of the types whose limits the free path breaks
+        solves the rest (adding types until the path keeps every limit: exact, as the untracked limits
+        only relax it). When that state space is too large: the ILP over the same segments."""
+        incumbent, kept = self._lagrangian(seg_rate, k, cap, path)
+        if incumbent is not None and kept is None:
+            return incumbent  # proven optimal by the Lagrangian bound
+        rates = seg_rate if kept is None else np.where(kept, seg_rate, np.inf)
+        tracked = sorted(int(t) for t in np.flatnonzero(self._usage(path, k) > cap))
+        while True:
+            counted = counted_cheapest_path(rates, k, cap, tracked, self.state_limit)
+            if counted is TOO_MANY_STATES:
+                return self._ilp(rates, k, cap)
+            self.counting_solves += 1
+            if counted is None:
+                return incumbent  # no path among the kept segments beats it (None: no path at all)
+            assert isinstance(counted, list)
+            over = np.flatnonzero(self._usage(counted, k) > cap)
+            if len(over) == 0:
+                return counted
+            tracked = sorted(set(tracked) | {int(t) for t in over})
+
+    def _lagrangian(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
+    ) -> tuple[list[tuple[int, int, int]] | None, np.ndarray | None]:
+        """Lagrangian relaxation of the limits (subgradient on lambda >= 0): (the cheapest path within
+        the limits it met, or None; the segments a path cheaper than that one can use, or None when
+        that path is proven optimal or none was met).
+
+        Why a lower bound: for lambda >= 0 and a path P within the limits, rate(P) >= rate(P) +
+        lambda · (usage(P) - cap) = (rate + lambda k)(P) - lambda · cap, and the cheapest path of the
+        weights rate + lambda k is at most the first term. The same weights' cheapest path *through*
+        a segment, less lambda · cap, bounds every path within the limits using it: above the
+        incumbent's rate, no optimal path uses it."""
+        T = self.T
+        lam = np.zeros(T)
+        lower = self._rate(path, seg_rate)  # the unconstrained optimum bounds the constrained one
+        upper, incumbent = math.inf, None
+        step = max(float(self.model.price.max()), 1e-9)
+        for _ in range(30):
+            priced = seg_rate + k * lam[None, None, :]
+            candidate = cheapest_path(priced)[1]
+            if candidate is None:
+                break
+            usage = self._usage(candidate, k)
+            lower = max(lower, self._rate(candidate, priced) - float(lam @ cap))
+            if (usage <= cap).all():
+                rate = self._rate(candidate, seg_rate)
+                if rate < upper:
+                    upper, incumbent = rate, candidate
+            if upper <= lower * (1.0 + 1e-12):
+                return incumbent, None
+            violation = (usage - cap).astype(np.float64)
+            lam = np.maximum(0.0, lam + step * violation / max(float(np.abs(violation).sum()), 1.0))
+            step *= 0.8
+        if incumbent is None:
+            return None, None
+        priced = seg_rate + k * lam[None, None, :]
+        bound = through(priced) - float(lam @ cap)
+        return incumbent, np.isfinite(seg_rate) & (bound <= upper * (1.0 + 1e-9))
+
+    def _ilp(self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray) -> list[tuple[int, int, int]] | None:
+        """The same shortest path with the per-type instance limits, as a 0/1 program."""
+        from scipy.optimize import Bounds, LinearConstraint
+        from scipy.sparse import lil_matrix
+
+        self.ilp_solves += 1
+        L, T = self.L, self.T
+        segs: list[tuple[int, int, int]] = [
+            (int(i), int(j), int(t)) for i, j, t in np.argwhere(np.isfinite(seg_rate))
+        ]
+        n = len(segs)
+        if n == 0:
+            return None
+        rows: list[tuple[dict[int, float], float, float]] = []
+        starts: dict[int, list[int]] = {}
+        ends: dict[int, list[int]] = {}
+        for v, (i, j, _) in enumerate(segs):
+            starts.setdefault(i, []).append(v)
+            ends.setdefault(j, []).append(v)
+        rows.append(({v: 1.0 for v in starts.get(0, [])}, 1.0, 1.0))  # one stage starts at layer 0
+        for b in range(1, L):  # a stage ending at b-1 is followed by one starting at b
+            coef = {v: 1.0 for v in ends.get(b - 1, [])}
+            for v in starts.get(b, []):
+                coef[v] = coef.get(v, 0.0) - 1.0
+            rows.append((coef, 0.0, 0.0))
+        rows.append(({v: 1.0 for v in ends.get(L - 1, [])}, 1.0, 1.0))
+        for b in range(1, L):  # neighbours differ in type
+            for t in range(T):
+                coef = {v: 1.0 for v in ends.get(b - 1, []) if segs[v][2] == t}
+                for v in starts.get(b, []):
+                    if segs[v][2] == t:
+                        coef[v] = 1.0
+                if len(coef) > 1:
+                    rows.append((coef, -np.inf, 1.0))
+        for t in range(T):  # max_instances
+            coef = {v: float(k[segs[v]]) for v in range(n) if segs[v][2] == t}
+            if coef:
+                rows.append((coef, -np.inf, float(cap[t])))
+        A = lil_matrix((len(rows), n))
+        for r, (coef, _, _) in enumerate(rows):
+            for v, c in coef.items():
+                A[r, v] = c
+        result = solve_milp(
+            c=np.array([seg_rate[s] for s in segs]),
+            constraints=LinearConstraint(A.tocsr(), [lo for _, lo, _ in rows], [hi for _, _, hi in rows]),
+            integrality=np.ones(n),
+            bounds=Bounds(0, 1),
+            # the walk steps past every level up to this plan's throughput on the claim that its rate
+            # is R*(X): HiGHS' default gap (1e-4) would let a plan 0.01% dearer stand for R*(X)
+            options={"mip_rel_gap": 0.0},
+        )
+        if result.x is None:
+            return None
+        chosen = [segs[v] for v in np.flatnonzero(result.x > 0.5)]
+        return sorted(chosen)
+
+    def _level(self, path: list[tuple[int, int, int]], k: np.ndarray, m: int) -> Level:
+        model = self.model
+        assignment: list[int] = []
+        throughput = model.ps_throughput(m)
+        rate = m * float(model.price[model.ps_type])
+        for i, j, t in path:
+            assignment += [t] * (j - i + 1)
+            kk = int(k[i, j, t])
+            rate += kk * float(model.price[t])
+            tau, alpha = float(self.tau[i, j, t]), float(self.alpha[i, j, t])
+            throughput = min(throughput, stage_throughput(model.batch_size, tau, alpha, kk))
+        return Level(rate, rate, tuple(assignment), throughput)
+
+    # -- the fastest plan ----------------------------------------------------------------------
+
+    def max_throughput(self, relaxed: bool = False, known: float = 0.0, bound: float = math.inf) -> float:
+        """Highest throughput any plan reaches within max_instances (binary search over candidates);
+        relaxed: an upper bound that checks each stage against its type's limit alone.
+
+        `known`: a throughput some plan is known to reach, `bound`: one no plan exceeds (e.g. the
+        relaxed bound); candidates outside them are not solved (fewer exact levels, same answer)."""
+        cap_any = int(self.cap.max())
+        ks = np.arange(1, cap_any + 1, dtype=np.float64)
+        thetas = stage_throughput(
+            self.model.batch_size, self.tau, self.alpha, ks[:, None, None, None]
+        )  # [K, L, L, T]
+        allowed = (ks[:, None, None, None] <= self.cap[None, None, :]) & self.valid[None]
+        candidates = np.unique(np.concatenate([thetas[allowed], self.ps_table]))
+        candidates = candidates[(candidates > 0.0) & (candidates <= bound * (1.0 + STEP_RTOL))]
+        if len(candidates) == 0:
+            return 0.0
+        # invariant: candidates[<= lo] reachable (or lo = -1), candidates[> hi] not
+        lo = int(np.searchsorted(candidates, known * (1.0 - REACH_RTOL), side="right")) - 1
+        hi = len(candidates) - 1
+        if lo < 0:
+            if self.solve_level(float(candidates[0]), relaxed) is None:
+                return 0.0
+            lo = 0
+        while lo < hi:
+            if not relaxed and self.out_of_time():
+                break  # candidates[lo] is reached; no faster plan was proven not to exist
+            mid = (lo + hi + 1) // 2
+            target = float(candidates[mid])
+            level = self.solve_level(target, relaxed=True)
+            if level is not None and not relaxed:
+                # cheap first: the relaxed plan's assignment, provisioned exactly, often reaches the
+                # level (and beyond: jump there); only when it does not is the level solved exactly
+                reached = provision_counts(self.model, level.assignment).max_throughput
+                if reached >= target * (1.0 - REACH_RTOL):
+                    lo = max(
+                        mid, int(np.searchsorted(candidates, reached * (1.0 + REACH_RTOL), side="right")) - 1
+                    )
+                    continue
+                level = self.solve_level(target)
+            if level is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return float(candidates[lo])
