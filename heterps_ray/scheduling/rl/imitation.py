@@ -191,7 +191,7 @@ def dagger_states(
 
 def _empty_obs(pad: int) -> dict[str, np.ndarray]:
     space, _ = SchedulingEnv.spaces(pad)
-    return {k: np.zeros(s.shape, dtype=np.float32) for k, s in space.items()}
+    return {k: np.zeros(space[k].shape or (), dtype=np.float32) for k in space.keys()}
 
 
 def clone(
