@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     imitation.add_argument("--labels-only", action="store_true", help="only extend --labels, then exit")
     imitation.add_argument("--epochs", type=int, default=30, help="behaviour-cloning epochs per round")
+    imitation.add_argument("--bc-lr", type=float, default=1e-3, help="behaviour cloning's Adam step")
     imitation.add_argument("--dagger", type=int, default=2, help="DAgger rounds after behaviour cloning")
     imitation.add_argument("--ppo-iterations", type=int, default=0, help="PPO iterations after imitation")
     parser.add_argument(
@@ -240,7 +241,7 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
     rounds = []
 
     def fit(name: str) -> None:
-        result = clone(module, states, epochs=args.epochs, seed=args.seed)
+        result = clone(module, states, epochs=args.epochs, lr=args.bc_lr, seed=args.seed)
         rounds.append({"round": name, **result, "seconds": round(time.perf_counter() - started, 1)})
         print(json.dumps(rounds[-1]), flush=True)
 
