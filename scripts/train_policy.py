@@ -4,6 +4,8 @@
     python scripts/train_policy.py --iterations 5 --pool 20 --out /tmp/policy     # a smoke run
     python scripts/train_policy.py --minutes 36 --pool 1000 --wide 400 --init runs/policy_issue8  # issue 16
     python scripts/train_policy.py --tune --samples 6 --seed 0 --ship             # Tune, ship the winner
+    python scripts/train_policy.py --imitate --pool 600 --wide 300 --runtime-share 0.25 \
+        --init heterps_ray/scheduling/rl/pretrained --out runs/policy26               # taught by exact (issue 26)
 
 PPO (RLlib) on SchedulingEnv over a pool of generated problems (3..30 layers, 2..5 types by
 default; `--wide N` adds N production-sized problems of the wide catalogue, 20..120 layers and 3..8
@@ -18,6 +20,10 @@ from small integer seeds (the benchmarks) are unseen.
 run), is scored by the policy alone on held-out validation problems every --report-every env steps, and
 ASHA stops the trials behind; the best trial that ran the full length wins. The table goes to --tune-output (JSON) and stdout; with
 --ship, the winner's final weights go to --out (so the Tune command is the retrain command).
+`--imitate` teaches the policy exact's plans instead (rl/imitation.py): exact labels every pool problem
+(`--runtime-share` of them given the runtime section `heterps profile` writes; labels cached in --labels,
+so a rerun only solves new problems), behaviour cloning on exact's episodes, `--dagger` rounds on the
+policy's own states, then `--ppo-iterations` of PPO on the reward (0: none).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import textwrap
 import time
@@ -34,7 +41,7 @@ from pathlib import Path
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_policy, save_policy
 from heterps_ray.scheduling.rl.pretrain import PRETRAIN_CONFIG, pretrain, training_pool
-from heterps_ray.scheduling.rl.scheduler import RLConfig
+from heterps_ray.scheduling.rl.scheduler import RLConfig, problem_fingerprint
 
 QUIET_FLAG = Path("/tmp/heterps_quiet")
 
@@ -80,6 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     tuning.add_argument("--tune-storage", type=Path, default=Path("runs/tune"), help="Tune's trial folders")
     tuning.add_argument("--tune-output", type=Path, default=Path("benchmarks/rl_tune_asha.json"))
+    imitation = parser.add_argument_group("--imitate: learn exact's plans (behaviour cloning, DAgger)")
+    imitation.add_argument("--imitate", action="store_true", help="imitate exact instead of PPO from scratch")
+    imitation.add_argument("--labels", type=Path, default=Path("runs/exact_labels.json"), help="label cache")
+    imitation.add_argument(
+        "--runtime-share", type=float, default=0.0, help="share of problems given a runtime section"
+    )
+    imitation.add_argument("--label-limit-s", type=float, default=10.0, help="exact's time per problem")
+    imitation.add_argument(
+        "--label-minutes", type=float, default=None, help="stop labelling after this long (rerun to go on)"
+    )
+    imitation.add_argument("--labels-only", action="store_true", help="only extend --labels, then exit")
+    imitation.add_argument("--epochs", type=int, default=30, help="behaviour-cloning epochs per round")
+    imitation.add_argument("--bc-lr", type=float, default=1e-3, help="behaviour cloning's Adam step")
+    imitation.add_argument("--dagger", type=int, default=2, help="DAgger rounds after behaviour cloning")
+    imitation.add_argument("--ppo-iterations", type=int, default=0, help="PPO iterations after imitation")
     parser.add_argument(
         "--plot", type=Path, default=None, help="only draw --out's training curve into this PNG, then exit"
     )
@@ -105,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.score is not None:
         return _score(args.score, args.validation, _int_range(args.layers), _int_range(args.types))
     command = "python scripts/train_policy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.imitate:
+        return _imitate(args, command)
 
     import ray
 
@@ -159,6 +183,114 @@ def main(argv: list[str] | None = None) -> int:
     )
     save_policy(module, args.out, {**metadata, "iterations": len(curve)})
     print(f"saved {args.out} after {len(curve)} iterations", flush=True)
+    return 0
+
+
+def _imitate(args: argparse.Namespace, command: str) -> int:
+    import torch
+
+    from heterps_ray.scheduling.generator import with_runtime_section
+    from heterps_ray.scheduling.rl.imitation import clone, dagger_states, demonstrations, exact_labels
+    from heterps_ray.scheduling.rl.network import PolicyNetwork
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    config = _override(PRETRAIN_CONFIG, args.set)
+    pool = training_pool(
+        args.pool,
+        args.seed,
+        _int_range(args.layers),
+        _int_range(args.types),
+        wide=args.wide,
+        wide_layers=_int_range(args.wide_layers),
+        wide_types=_int_range(args.wide_types),
+    )
+    # every k-th problem gets the runtime section (the true model, DESIGN.md §3b)
+    every = round(1.0 / args.runtime_share) if args.runtime_share > 0 else 0
+    pool = [with_runtime_section(p) if every and i % every == every - 1 else p for i, p in enumerate(pool)]
+    labels = json.loads(args.labels.read_text()) if args.labels.exists() else {}
+    deadline = math.inf if args.label_minutes is None else time.perf_counter() + 60.0 * args.label_minutes
+    labelled = [p for p in pool if problem_fingerprint(p) in labels]
+    # label the classic and the wide problems in step, so a --label-minutes cut leaves both kinds
+    share = [
+        i / args.pool if i < args.pool else (i - args.pool) / max(args.wide, 1) for i in range(len(pool))
+    ]
+    for problem in [pool[i] for i in sorted(range(len(pool)), key=share.__getitem__)]:
+        if problem_fingerprint(problem) in labels:
+            continue
+        if time.perf_counter() > deadline:
+            print(f"--label-minutes reached: {len(labelled)} of {len(pool)} problems labelled", flush=True)
+            break
+        _wait_while_quiet()
+        exact_labels([problem], labels, args.label_limit_s)
+        labelled.append(problem)
+        args.labels.parent.mkdir(parents=True, exist_ok=True)
+        args.labels.write_text(json.dumps(labels) + "\n")
+    solved = sum(labels[problem_fingerprint(p)] is not None for p in labelled)
+    label_s = time.perf_counter() - started
+    print(f"{len(labelled)} problems labelled ({solved} with an exact plan) in {label_s:.0f} s", flush=True)
+    if args.labels_only:
+        return 0
+
+    module = (
+        load_policy(args.init)
+        if args.init is not None
+        else PolicyNetwork(len(TYPE_FEATURES), len(CONTEXT_FEATURES), config.hidden, config.set_hidden)
+    )
+    states = demonstrations(labelled, labels)
+    rounds = []
+
+    def fit(name: str) -> None:
+        result = clone(module, states, epochs=args.epochs, lr=args.bc_lr, seed=args.seed)
+        rounds.append({"round": name, **result, "seconds": round(time.perf_counter() - started, 1)})
+        print(json.dumps(rounds[-1]), flush=True)
+
+    fit("behaviour cloning")
+    for i in range(args.dagger):
+        _wait_while_quiet()
+        states = states + dagger_states(module, labelled, labels, seed=args.seed + i)
+        fit(f"dagger {i + 1}")
+    metadata = {
+        "hidden": config.hidden,
+        "set_hidden": config.set_hidden,
+        "type_features": list(TYPE_FEATURES),
+        "context_features": list(CONTEXT_FEATURES),
+        "config": dataclasses.asdict(config),
+        "seed": args.seed,
+        "pool": args.pool,
+        "layers": list(_int_range(args.layers)),
+        "types": list(_int_range(args.types)),
+        "wide": args.wide,
+        "wide_layers": list(_int_range(args.wide_layers)),
+        "wide_types": list(_int_range(args.wide_types)),
+        "runtime_share": args.runtime_share,
+        "command": command,
+        "init": None if args.init is None else str(args.init),
+        "imitation": {"labelled": len(labelled), "exact_plans": solved, "rounds": rounds},
+        "curve": [],
+    }
+    if args.ppo_iterations > 0:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+        def point(iteration: int, trained: object, p: dict[str, float]) -> None:
+            metadata["curve"].append(p)
+            print(json.dumps(p), flush=True)
+
+        module, _ = pretrain(
+            config,
+            labelled,
+            args.seed,
+            iterations=args.ppo_iterations,
+            init=module,
+            on_iteration=point,
+            between_iterations=_wait_while_quiet,
+        )
+    metadata["training_s"] = round(time.perf_counter() - started, 1)
+    save_policy(module, args.out, {**metadata, "iterations": len(metadata["curve"])})
+    print(f"saved {args.out} after {metadata['training_s']:.0f} s", flush=True)
     return 0
 
 

@@ -212,7 +212,8 @@ def test_shipped_pretrained_policy_is_the_default_and_beats_an_untrained_one():
     from heterps_ray.scheduling.rl.policy import policy_metadata
 
     assert RLScheduler().mode == "zero-shot"  # no budget: the shipped policy, no training
-    assert policy_metadata()["iterations"] > 0
+    meta = policy_metadata()
+    assert meta["iterations"] > 0 or meta["imitation"]["rounds"]  # trained by PPO, or taught by exact
     shipped = load_policy()
     torch.manual_seed(0)
     observation_space, action_space = SchedulingEnv.spaces()

@@ -1,0 +1,236 @@
+"""A policy taught by the solver: behaviour cloning of exact's plans, then DAgger on the policy's own states.
+
+    labels = exact_labels(problems, time_limit_s=10)       # {fingerprint: exact's assignment}, cacheable
+    states = demonstrations(problems, labels)              # the env's observations along exact's plans
+    clone(module, states)                                  # cross-entropy on the type logits
+    states += dagger_states(module, problems, labels)      # the policy's own states, labelled by exact
+    clone(module, states)
+
+An episode assigns a type per layer, in order, so exact's plan is one action sequence: replaying it
+in the env gives every (observation, action) pair of the expert's episode (behaviour cloning). A
+policy that errs once then sees states exact's episode never visits; DAgger rolls the policy itself
+out, keeps the states it visits, and labels each with exact's type for that layer: the continuation
+that returns to the optimal plan (relabelling each state with a fresh optimum of its prefix would
+need a constrained exact search per state). The module is the PPO module's network (same layers as
+`module.TypeScoringModule`), so the result ships and fine-tunes like any pretrained policy; only the
+scoring layers (`encode`, `score`) learn, the value head is PPO's.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from heterps_ray.costmodel import Problem
+from heterps_ray.scheduling.rl.env import ProblemView, SchedulingEnv
+from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
+
+Labels = dict[str, list[int] | None]  # problem fingerprint -> exact's assignment (type indices), None: none
+
+
+def _solve(problem: Problem) -> list[int] | None:
+    from heterps_ray.scheduling import get_scheduler
+
+    plan = get_scheduler("exact").schedule(problem)
+    return [problem.type_index(t) for t in plan.assignment] if plan.feasible else None
+
+
+def _solve_into(problem: Problem, connection: Any) -> None:
+    connection.send(_solve(problem))
+    connection.close()
+
+
+def exact_assignment(problem: Problem, time_limit_s: float | None = None) -> list[int] | None:
+    """Exact's optimal assignment (type index per layer), or None when no plan meets the floor or the
+    search runs past `time_limit_s`. With a limit the search runs in a forked process that is killed
+    at the limit (a solver call in C cannot be interrupted from Python)."""
+    if time_limit_s is None:
+        return _solve(problem)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_solve_into, args=(problem, send), daemon=True)
+    process.start()
+    send.close()
+    try:
+        if receive.poll(time_limit_s):
+            return receive.recv()
+        return None
+    except EOFError:  # the search failed in the child: no label
+        return None
+    finally:
+        process.kill()
+        process.join()
+        receive.close()
+
+
+def exact_labels(
+    problems: Sequence[Problem],
+    labels: Labels | None = None,
+    time_limit_s: float | None = None,
+    on_label: Callable[[Problem, list[int] | None, float], None] | None = None,
+) -> Labels:
+    """`labels` (by problem fingerprint) extended with exact's assignment of every problem not in it yet."""
+    labels = {} if labels is None else labels
+    for problem in problems:
+        key = problem_fingerprint(problem)
+        if key in labels:
+            continue
+        started = time.perf_counter()
+        labels[key] = exact_assignment(problem, time_limit_s)
+        if on_label is not None:
+            on_label(problem, labels[key], time.perf_counter() - started)
+    return labels
+
+
+@dataclass
+class States:
+    """Observations (stacked per key, type axis padded to `pad`) and the label type of each."""
+
+    observations: dict[str, np.ndarray]
+    actions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def head(self, n: int) -> States:
+        return States({k: v[:n] for k, v in self.observations.items()}, self.actions[:n])
+
+    def __add__(self, other: States) -> States:
+        pad = max(self.observations["action_mask"].shape[1], other.observations["action_mask"].shape[1])
+        a, b = _padded(self.observations, pad), _padded(other.observations, pad)
+        return States(
+            {k: np.concatenate([a[k], b[k]]) for k in a}, np.concatenate([self.actions, other.actions])
+        )
+
+
+def _padded(observations: dict[str, np.ndarray], pad: int) -> dict[str, np.ndarray]:
+    width = observations["action_mask"].shape[1]
+    if width == pad:
+        return observations
+    out = {}
+    for key, value in observations.items():
+        if key == "context":
+            out[key] = value
+            continue
+        shape = list(value.shape)
+        shape[1] = pad - width
+        out[key] = np.concatenate([value, np.zeros(shape, dtype=value.dtype)], axis=1)
+    return out
+
+
+def _stack(observations: list[dict[str, np.ndarray]], actions: list[int], pad: int) -> States:
+    stacked = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
+    return States(_padded(stacked, pad), np.asarray(actions, dtype=np.int64))
+
+
+def demonstrations(problems: Sequence[Problem], labels: Mapping[str, list[int] | None]) -> States:
+    """Every (observation, exact's action) of exact's episode on each labelled problem."""
+    observations: list[dict[str, np.ndarray]] = []
+    actions: list[int] = []
+    pad = max(p.num_types for p in problems)
+    for problem in problems:
+        assignment = labels.get(problem_fingerprint(problem))
+        if assignment is None:
+            continue
+        env = SchedulingEnv({"problem": problem, "pad_types": pad})
+        obs, _ = env.reset()
+        for t in assignment:
+            observations.append(obs)
+            actions.append(t)
+            obs, *_ = env.step(t)
+    if not actions:
+        raise ValueError("no problem with an exact plan to learn from")
+    return _stack(observations, actions, pad)
+
+
+def dagger_states(
+    module: Any,
+    problems: Sequence[Problem],
+    labels: Mapping[str, list[int] | None],
+    samples: int = 2,
+    seed: int = 0,
+) -> States:
+    """The states the policy visits itself (its greedy episode and `samples` sampled ones per problem),
+    each labelled with exact's type for that layer (or, where the layer's state masks it, none: skipped)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    observations: list[dict[str, np.ndarray]] = []
+    actions: list[int] = []
+    pad = max(p.num_types for p in problems)
+    for problem in problems:
+        assignment = labels.get(problem_fingerprint(problem))
+        if assignment is None:
+            continue
+        view = ProblemView(problem)
+        envs = [SchedulingEnv({"problem": problem, "pad_types": pad}) for _ in range(samples + 1)]
+        current = [env.reset(options={"problem": view})[0] for env in envs]
+        for layer in range(view.num_layers):
+            batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
+            with torch.no_grad():
+                z = module.logits(batch).double().numpy()
+            z = np.exp(z - z.max(axis=-1, keepdims=True))
+            p = z / z.sum(axis=-1, keepdims=True)
+            chosen = [int(np.argmax(p[0]))] + [int(rng.choice(len(q), p=q / q.sum())) for q in p[1:]]
+            target = assignment[layer]
+            for obs, action in zip(current, chosen, strict=True):
+                if obs["action_mask"][target] > 0.5 and action != target:
+                    observations.append(obs)  # a state where the policy leaves exact's plan
+                    actions.append(target)
+            current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
+    if not actions:
+        return _stack([_empty_obs(pad)], [0], pad).head(0)
+    return _stack(observations, actions, pad)
+
+
+def _empty_obs(pad: int) -> dict[str, np.ndarray]:
+    space, _ = SchedulingEnv.spaces(pad)
+    return {k: np.zeros(space[k].shape or (), dtype=np.float32) for k in space.keys()}
+
+
+def clone(
+    module: Any,
+    states: States,
+    epochs: int = 20,
+    lr: float = 1e-3,
+    batch_size: int = 256,
+    seed: int = 0,
+    log: Callable[[int, float, float], None] | None = None,
+) -> dict[str, float]:
+    """Fit the module's type logits to `states` (cross-entropy), in place; returns the final loss and
+    the share of states where the greedy type is the label. Only the scoring layers learn."""
+    import torch
+
+    torch.manual_seed(seed)
+    params = [p for name, p in module.named_parameters() if not name.startswith("value.")]
+    optimiser = torch.optim.Adam(params, lr=lr)
+    obs = {k: torch.as_tensor(v) for k, v in states.observations.items()}
+    target = torch.as_tensor(states.actions)
+    n = len(states)
+    generator = torch.Generator().manual_seed(seed)
+    loss_value, accuracy = math.nan, math.nan
+    module.train()
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        total, hits = 0.0, 0
+        for start in range(0, n, batch_size):
+            index = order[start : start + batch_size]
+            logits = module.logits({k: v[index] for k, v in obs.items()})
+            loss = torch.nn.functional.cross_entropy(logits, target[index])
+            optimiser.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimiser.step()
+            total += loss.item() * len(index)
+            hits += int((logits.argmax(dim=-1) == target[index]).sum())
+        loss_value, accuracy = total / n, hits / n
+        if log is not None:
+            log(epoch + 1, loss_value, accuracy)
+    module.eval()
+    return {"loss": loss_value, "accuracy": accuracy, "states": float(n)}
