@@ -4,10 +4,14 @@ warm (heterps_ray/runtime/warm.py) because a process that has imported torch tak
 A class is reusable when ``__init__`` sets its whole state: :meth:`Reusable.reconfigure` stops what
 the instance owns (``teardown``), drops every attribute and runs ``__init__`` again with the new
 arguments, so nothing of the last run (table rows, optimizer state, armed faults, counters) survives.
+An actor can also be *blank* (:func:`blank_class`, or ``reconfigure()`` with no arguments): a process
+with its class's imports done and nothing configured, which the profiler times layers in
+(heterps_ray.profiling.actor.ProfilingHost) before the runs that follow reconfigure it.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 
@@ -18,7 +22,26 @@ class Reusable:
         """Stop what the instance owns beyond its attributes (threads); a no-op unless overridden."""
 
     def reconfigure(self, *args: Any) -> None:
-        """Become a fresh instance built from `args`, as if the actor had just been created with them."""
-        self.teardown()
+        """Become a fresh instance built from `args`, as if the actor had just been created with them
+        (no `args`: a blank one)."""
+        if not self.__dict__.get("_blank", False):
+            self.teardown()
         self.__dict__.clear()
-        self.__init__(*args)  # type: ignore[misc]
+        if args:
+            self.__init__(*args)  # type: ignore[misc]
+        else:
+            self._blank = True
+
+
+@cache
+def blank_class(cls: type) -> type:
+    """`cls` with a constructor that takes no arguments too (a blank instance, configured later by
+    ``reconfigure``): ``ray.remote(blank_class(DataWorker)).remote()`` starts the process only."""
+
+    def __init__(self: Any, *args: Any) -> None:
+        if args:
+            cls.__init__(self, *args)  # type: ignore[misc]
+        else:
+            self._blank = True
+
+    return type(cls.__name__, (cls,), {"__init__": __init__})

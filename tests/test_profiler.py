@@ -15,6 +15,7 @@ from heterps_ray.cli import main
 from heterps_ray.config import load_job
 from heterps_ray.costmodel import CostModel, load_problem
 from heterps_ray.models import build_model
+from heterps_ray.runtime import warm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,7 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     spec = build_model(job.model)
     output = tmp_path / "problem.yaml"
 
+    before = warm.counts()
     code = main(
         [
             "profile",
@@ -59,6 +61,10 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     assert code == 0, out
     assert "wrote" in out
     assert "the profile's own spread: cpu_small ±" in out  # the one-stage probes' runs, per type
+    # the layer timings ran in the runtime's actors: one DataWorker and one StageWorker per type started,
+    # every probe (2 two-stage of two actors, 2 x 2 one-stage of one) reconfigured them
+    used = {k: warm.counts()[k] - before[k] for k in before}
+    assert used["started"] <= 4 and used["reused"] >= 8, used
 
     problem = load_problem(output)
     assert problem.layer_names == [layer.name for layer in spec.layers]

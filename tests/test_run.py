@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def _job(tmp_path: Path, **changes) -> Path:
 # (~7 s at the ~100,000 samples/s measured here on the profile's warm actors; 80,000 rows ended in
 # 3.5 s once, before the window had filled).
 ROWS = 160_000
-PROFILE_PARTS = ("layers", "probes", "fit")
+PROFILE_PARTS = ("start", "layers", "probes", "fit")
 FLOOR = 1_000  # samples/s: well under what the tiny model trains at here, so it must be met
 
 
@@ -298,3 +299,20 @@ def test_readme_main_command_runs_the_quickstart_job(tmp_path):
     assert abs(saved["logloss"] - reference["logloss"]) < 1e-3
     achievable = dataset.meta["achievable_auc"]
     assert achievable - 0.02 < saved["auc"] <= achievable, (saved["auc"], achievable)
+
+
+def test_the_report_says_how_soon_each_re_plan_trained_again():
+    """The printed report lists each re-plan's first batch, in seconds after the decision (the records'
+    ``restart.first_batch_s``, which the closed loop measures), floor misses and resource changes alike."""
+    from heterps_ray.closedloop.report import RunReport
+
+    restart = {"replan_s": 0.41, "ready_s": 0.93}
+    report = RunReport(
+        job="j", scheduler="exact", plan="a..b@cpu_small x1 | ps x1", predicted_throughput=2_000.0,
+        achieved_throughput=1_000.0, cost_rate=0.1, projected_cost=0.01, predicted_cost=0.005, auc=None,
+        logloss=None, seconds={"train": 9.0}, output_dir="out", throughput_min=1_500.0, floor_met=False,
+        floor_attempts=[{"new_plan": "p2", "restart": {**restart, "first_batch_s": 1.27}}, {"new_plan": None}],
+        replans=[{"restart": {**restart, "first_batch_s": 2.5}}],
+    )  # fmt: skip
+    assert "  re-plans    first batch 1.3 s, 2.5 s after the decision" in report.table()
+    assert "re-plans    first batch" not in dataclasses.replace(report, floor_attempts=[], replans=[]).table()

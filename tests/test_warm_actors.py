@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import tiny_sync_job
+import ray
+from helpers import TINY_MODEL, tiny_sync_job
 
+from heterps_ray.closedloop.probes import WarmHosts
 from heterps_ray.costmodel.plan import Plan, load_plan
+from heterps_ray.profiling.placement import start_profiling
 from heterps_ray.runtime import warm
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import train
@@ -77,6 +80,29 @@ def test_plan_b_on_plan_a_s_warm_actors_trains_exactly_plan_b_on_fresh_ones(ray_
     sa, sb = a.table.state(), b.table.state()
     for key in ("keys", "weights", "accumulators"):
         np.testing.assert_array_equal(sb[key], sa[key])
+
+    # the profile's hosts (blank runtime actors that timed layers and messages): plan B on them is plan B
+    warm.release_idle()
+    hosts, cluster = WarmHosts(), job_b.cluster
+    groups = {t.name: hosts.start(t, 2) for t in cluster.resource_types}
+    for name, group in groups.items():
+        start_profiling(group, cluster.type(name), TINY_MODEL, 5, timeout_s=60)
+        ray.get(
+            [group[0].time_layers.remote([(0, 32), (1, 32)], 1, 5), group[0].send.remote(group[1], 4096, 2)]
+        )
+        hosts.release(cluster.type(name), group, reuse=True)
+    before = warm.counts()
+    profiled = train(
+        tiny_sync_job("warm-b", dataset, tmp_path / "profiled", checkpoint_every=20),
+        plan_b,
+        steps=STEPS,
+        progress=False,
+    )
+    assert {k: warm.counts()[k] - before[k] for k in before} == {"reused": 2, "started": 0}
+    assert profiled.losses == fresh.losses and profiled.auc == fresh.auc
+    c = load_checkpoint(tmp_path / "profiled" / "model")
+    for name, value in a.net.state_dict().items():
+        np.testing.assert_array_equal(c.net.state_dict()[name].numpy(), value.numpy())
 
 
 def test_idle_actors_make_room_for_a_plan_that_needs_their_slots(ray_local, dataset, tmp_path):

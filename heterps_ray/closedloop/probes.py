@@ -3,21 +3,47 @@ real runtime, trained by the driver; its steady rate is one measurement row of t
 
 from __future__ import annotations
 
-from heterps_ray.config import JobConfig
+from typing import Any
+
+import ray
+
+from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.plan import Plan, PlanStage
 from heterps_ray.profiling.fit import FitResult
 from heterps_ray.profiling.probes import PROBE_STEPS, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
+from heterps_ray.runtime import warm
 from heterps_ray.runtime.driver import train
-from heterps_ray.runtime.warm import release_idle
+from heterps_ray.runtime.stage_worker import StageWorker
+from heterps_ray.runtime.workers import DataWorker
 
 
 def profile_job(job: JobConfig, settings: ProfileSettings) -> FitResult:
-    """The job's whole profile on the live Ray: every layer on every type, then the runtime probes
-    (which reuse one another's actors, warm.py; they stay warm for the run that follows). Idle warm
-    actors of an earlier run go first: the profiling actors need their resources."""
-    release_idle()
-    return profile(job, settings, run_probe)
+    """The job's whole profile on the live Ray: every layer on every type, then the runtime probes,
+    all in the runtime's warm actors (:class:`WarmHosts`): a torch-importing process starts once per
+    role and type, and stays warm for the run that follows."""
+    return profile(job, settings, run_probe, WarmHosts())
+
+
+class WarmHosts:
+    """The profiler's actors are the runtime's (profiling.placement.Hosts): per type a blank DataWorker,
+    then a blank StageWorker (warm.py; idle ones of an earlier run reconfigured), kept warm after, so
+    that the probes (a DataWorker of one type calling a StageWorker of another, then a DataWorker
+    alone) and the run reconfigure them instead of starting processes."""
+
+    ROLES = (DataWorker, StageWorker)
+
+    def start(self, rtype: ResourceType, count: int) -> list[Any]:
+        if count > len(self.ROLES):
+            raise ValueError(f"{count} profiling actors of {rtype.name!r}: at most {len(self.ROLES)} roles")
+        return [warm.spawn(cls, rtype.actor_options()) for cls in self.ROLES[:count]]
+
+    def release(self, rtype: ResourceType, actors: list[Any], reuse: bool) -> None:
+        for cls, handle in zip(self.ROLES, actors, strict=False):
+            if reuse:
+                warm.keep_warm(handle, cls, rtype.actor_options())
+            else:
+                ray.kill(handle)
 
 
 def run_probe(

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from heterps_ray.closedloop.probes import run_probe
+from heterps_ray.closedloop.probes import WarmHosts, run_probe
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Problem, load_problem, problem_from_dict
 from heterps_ray.costmodel.table_memory import with_table
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.profiler import ProfileSettings, fit_runs, measure
-from heterps_ray.runtime.warm import release_idle
 
 
 def given_problem(path: Path, job: JobConfig, copy: Path) -> Problem:
@@ -88,8 +87,9 @@ def profile_joined_types(
         }
     )
     both = job.model_copy(update={"cluster": cluster})
-    release_idle()  # the profiling actors need the slots idle warm actors hold
-    fitted = fit_runs(both, [measure(both, build_model(job.model), settings, run_probe)], settings).problem
+    # in the runtime's warm actors (the run's idle ones reconfigured, others making room: warm.py)
+    run = measure(both, build_model(job.model), settings, run_probe, WarmHosts())
+    fitted = fit_runs(both, [run], settings).problem
     data = problem.to_dict()
     data["resources"] += [r for r in fitted["resources"] if r["name"] in joined]
     by_name = {layer["name"]: layer for layer in fitted["layers"]}

@@ -82,6 +82,12 @@ class RunReport:
             replans = sum(a["new_plan"] is not None for a in self.floor_attempts)
             met += f"; {len(self.floor_attempts)} miss(es), {replans} re-plan(s)"
         lines.append(f"  floor       {self.throughput_min:>12,.0f} samples/s  {met}")
+        restarts = [
+            r["restart"]["first_batch_s"] for r in self.floor_attempts + self.replans if r.get("restart")
+        ]
+        if any(s is not None for s in restarts):  # each re-plan's first batch, from the decision on
+            shown = ", ".join("?" if s is None else f"{s:.1f} s" for s in restarts)
+            lines.append(f"  re-plans    first batch {shown} after the decision")
         if self.auc is not None:
             lines.append(f"  model       AUC {self.auc:.4f}, logloss {self.logloss:.4f}")
         if self.node_requests:

@@ -311,3 +311,58 @@ def _leaf(t: Any) -> Any:
     if leaf.is_floating_point():
         leaf.requires_grad_(True)
     return leaf
+
+
+class ProfilingHost:
+    """A process the profiler measures in: the :class:`LayerProfiler` calls, answered by the one that
+    :meth:`start_profiling` built. The runtime's actors (DataWorker, StageWorker) are hosts too, so
+    that the layer timings run in the processes the runtime probes and the run then reuse
+    (runtime/warm.py) and a torch-importing process starts once per role and type; a standalone one is
+    ``ray.remote(ProfilingHost)``. The names are LayerProfiler's, so a peer's ``receive`` and ``echo``
+    reach its host."""
+
+    profiler: LayerProfiler
+
+    def start_profiling(
+        self, model: dict[str, Any], seed: int, torch_threads: int, device: str, type_name: str
+    ) -> dict[str, Any]:
+        """Build the layers on the type's device (a DeviceError where it has none); describe the actor."""
+        self.profiler = LayerProfiler(model, seed, torch_threads, device, type_name)
+        return self.profiler.describe()
+
+    def time_layers(
+        self, items: list[tuple[int, int]], warmup: int, seed: int
+    ) -> list[tuple[float, float, float, float | None] | None]:
+        return self.profiler.time_layers(items, warmup, seed)
+
+    def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
+        return self.profiler.run_layer(index, batch_size, budget_ms)
+
+    def host_load(self, window_s: float) -> tuple[str, int, float, float]:
+        return self.profiler.host_load(window_s)
+
+    def call_cpu(self, peer: Any, calls: int) -> tuple[float, float]:
+        return self.profiler.call_cpu(peer, calls)
+
+    def send(self, peer: Any, nbytes: int, repeats: int) -> list[float]:
+        return self.profiler.send(peer, nbytes, repeats)
+
+    def receive(self, payload: np.ndarray) -> int:
+        return self.profiler.receive(payload)
+
+    def call_rate(self, peer: Any, nbytes: int, calls: int, window: int = 4) -> float:
+        return self.profiler.call_rate(peer, nbytes, calls, window)
+
+    def echo(self, payload: np.ndarray) -> np.ndarray:
+        return self.profiler.echo(payload)
+
+    def ps_round_trips(
+        self, shards: list[Any], batches: list[np.ndarray], dim: int
+    ) -> tuple[float, float, float]:
+        return self.profiler.ps_round_trips(shards, batches, dim)
+
+    def dense_pushes(self, shard: Any, params: int, calls: int) -> float:
+        return self.profiler.dense_pushes(shard, params, calls)
+
+    def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float, float]:
+        return self.profiler.read_input(path, batch_size, rows)

@@ -1,6 +1,7 @@
 """Live profiling: measure a model's layers, the PS and the links on every resource type of a Ray cluster.
 
-One pair of actors (:class:`~heterps_ray.profiling.actor.LayerProfiler`) per resource type present
+One pair of actors (each a :class:`~heterps_ray.profiling.actor.LayerProfiler` in a process that
+placement.py's hosts give: the runtime's warm actors in ``heterps profile``) per resource type present
 in the cluster (pinned by the type's Ray resources, torch threads set, ``cuda`` where the type is a
 GPU type: a DeviceError where its actor finds no GPU; one actor where the cluster's GPUs do not hold
 two, refused before any wait where they hold none) runs every layer forward and backward (plus its Adam step) at several
@@ -34,11 +35,16 @@ import ray
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.table_memory import with_table
 from heterps_ray.data.layout import is_dataset
-from heterps_ray.devices import unwrap
-from heterps_ray.errors import ConfigError, HeterPSError
+from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
-from heterps_ray.profiling.actor import LayerProfiler
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
+from heterps_ray.profiling.placement import (
+    Hosts,
+    OwnHosts,
+    Waiter,
+    actor_counts,
+    start_profiling,
+)
 from heterps_ray.profiling.probes import ONE_STAGE_REPEATS, PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
 
 _BYTES_PER_MB = 1 << 20
@@ -137,13 +143,6 @@ class _Row:
 GPU_COLUMNS = ("copy_ms", "peak_mb")
 
 
-class ProfileTimeout(HeterPSError):
-    """A profiling actor did not answer a call in time (ProfileSettings.call_timeout_s)."""
-
-    category = "timeout"
-    exit_code = 1
-
-
 @dataclass
 class ProfileRun:
     """What a profile measured, before fitting: the rows and where the actors ran."""
@@ -152,17 +151,22 @@ class ProfileRun:
     actors: list[dict[str, Any]] = field(default_factory=list)
     skipped_types: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # wall time: "layers" (actors' timings), "probes"
+    # wall time: "start" (actors placed, layers built), "layers" (their timings), "probes"
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def profile(
-    job: JobConfig, settings: ProfileSettings | None = None, run_probe: ProbeRunner | None = None
+    job: JobConfig,
+    settings: ProfileSettings | None = None,
+    run_probe: ProbeRunner | None = None,
+    hosts: Hosts | None = None,
 ) -> FitResult:
     """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file.
     `run_probe` trains the runtime probes (heterps_ray.closedloop.probes.run_probe); it is needed
-    unless ``settings.probe_steps`` is None."""
+    unless ``settings.probe_steps`` is None. `hosts`: the processes to measure in (placement.py;
+    default: actors of the profile's own)."""
     settings = settings or ProfileSettings()
-    return fit_runs(job, [measure(job, build_model(job.model), settings, run_probe)], settings)
+    return fit_runs(job, [measure(job, build_model(job.model), settings, run_probe, hosts)], settings)
 
 
 def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) -> FitResult:
@@ -233,10 +237,14 @@ def execution_of(job: JobConfig) -> dict[str, Any]:
 
 
 def measure(
-    job: JobConfig, spec: ModelSpec, settings: ProfileSettings, run_probe: ProbeRunner | None = None
+    job: JobConfig,
+    spec: ModelSpec,
+    settings: ProfileSettings,
+    run_probe: ProbeRunner | None = None,
+    hosts: Hosts | None = None,
 ) -> ProfileRun:
     """Take every measurement on the live cluster; returns the raw rows (columns :data:`COLUMNS`).
-    The runtime probes are trained by `run_probe` (see :func:`profile`)."""
+    The runtime probes are trained by `run_probe`, in `hosts` (see :func:`profile`)."""
     from tqdm.auto import tqdm
 
     if settings.probe_steps is not None and run_probe is None:
@@ -260,29 +268,25 @@ def measure(
     counts = actor_counts(
         present, ray.nodes(), job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
     )
-    actor_cls = ray.remote(LayerProfiler)
+    hosts = hosts or OwnHosts()
     model = {"name": job.model.name, **job.model.params}
     actors: dict[str, list[Any]] = {}
-    for rtype in present:
-        actors[rtype.name] = [
-            actor_cls.options(**rtype.actor_options()).remote(
-                model, settings.seed, rtype.torch_threads, rtype.device, rtype.name
-            )
-            for _ in range(counts[rtype.name])
-        ]
     described = []
     try:
-        for name, group in actors.items():
-            infos = _placed(group, name, job, settings.start_timeout_s)
-            described += [{"type": name, **info} for info in infos]
+        for rtype in present:  # every type's processes start at once, then each is waited for
+            actors[rtype.name] = hosts.start(rtype, counts[rtype.name])
+        for rtype in present:
+            infos = start_profiling(actors[rtype.name], rtype, model, settings.seed, settings.start_timeout_s)
+            described += [{"type": rtype.name, **info} for info in infos]
     except BaseException:
-        _kill(actors)
+        _release(hosts, present, actors, reuse=False)
         raise
-    wait = _Waiter(settings.call_timeout_s)
+    seconds: dict[str, float] = {"start": time.perf_counter() - started}
+    started = time.perf_counter()
+    wait = Waiter(settings.call_timeout_s)
 
     rows: list[_Row] = []
     notes: list[str] = []
-    seconds: dict[str, float] = {}
     load_before = os.getloadavg()[0]
     pair_batch = min(job.batch_size, max(settings.batch_sizes))
     total = (
@@ -291,6 +295,7 @@ def measure(
         + 4
     )
     bar = tqdm(total=total, desc="profiling", unit="step", disable=not settings.progress)
+    done = False
     try:
         rows += _host_runs(present, actors, settings, wait, calls=False)  # background: before and at the end
         for rtype in present:
@@ -312,11 +317,12 @@ def measure(
         bar.set_postfix_str("machines and their background load")
         rows += _host_runs(present, actors, settings, wait)
         bar.update()
+        done = True
     finally:
         bar.close()
-        _kill(actors)
+        _release(hosts, present, actors, reuse=done)
     seconds["layers"] = time.perf_counter() - started
-    if run_probe is not None and settings.probe_steps is not None:  # the actors are gone: slots free
+    if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
         started = time.perf_counter()
         rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe)
         seconds["probes"] = time.perf_counter() - started
@@ -335,95 +341,10 @@ def measure(
     )
 
 
-def actor_counts(
-    present: list[ResourceType], nodes: list[dict[str, Any]], ps_type: str | None = None
-) -> dict[str, int]:
-    """Profiling actors per type: two where the alive nodes hold them, else one (the GPUs of the
-    cluster decide for GPU types: one actor each first, then the seconds; a unit of `ps_type` is kept
-    for the PS shard the profile starts). A type whose first actor fits nowhere (a GPU type in a
-    cluster without GPUs for it) is a ConfigError now, not a wait."""
-    free = [dict(n.get("Resources", {})) for n in nodes if n.get("Alive", True)]
-
-    def place(rtype: ResourceType, gpus: float | None = None) -> bool:
-        gpus = rtype.num_gpus if gpus is None else gpus
-        for res in free:
-            if res.get(rtype.name, 0) >= 1 and res.get("GPU", 0) + 1e-9 >= gpus:
-                res[rtype.name] -= 1
-                res["GPU"] = res.get("GPU", 0) - gpus
-                return True
-        return False
-
-    counts = {}
+def _release(hosts: Hosts, present: list[ResourceType], actors: dict[str, list[Any]], reuse: bool) -> None:
     for rtype in present:
-        if not place(rtype):
-            gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in nodes if n.get("Alive", True))
-            raise ConfigError(
-                None,
-                f"cluster.resource_types.{rtype.name}.num_gpus",
-                f"GPUs in the Ray cluster for one {rtype.name!r} actor (it asks for {rtype.num_gpus:g}; the "
-                f"cluster's nodes with {rtype.name!r} have not that many free, {gpus:g} GPUs in all): "
-                "start the cluster with its GPUs, or profile without this type",
-            )
-        counts[rtype.name] = 1
-    for rtype in present:
-        if rtype.name == ps_type:
-            place(rtype, gpus=0.0)  # the PS shard's unit (it asks for no GPU)
-    for rtype in present:
-        if rtype.max_instances >= 2 and place(rtype):
-            counts[rtype.name] = 2
-    return counts
-
-
-def _placed(group: list[Any], name: str, job: JobConfig, timeout_s: float) -> list[dict[str, Any]]:
-    """The actors' descriptions once placed: a DeviceError raised in one comes out as itself, and
-    actors not placed in `timeout_s` are a ConfigError naming the type and what the cluster has."""
-    try:
-        return list(ray.get([a.describe.remote() for a in group], timeout=timeout_s))
-    except ray.exceptions.GetTimeoutError:
-        rtype = job.cluster.type(name)
-        raise ConfigError(
-            None,
-            "cluster.resource_types",
-            f"{len(group)} profiling actor(s) of {name!r} placed within {timeout_s:.0f} s (each asks "
-            f"for {rtype.actor_options()['num_cpus']:g} CPU, {rtype.num_gpus:g} GPU and 1 {name!r}; "
-            f"the cluster has {ray.available_resources()} free)",
-        ) from None
-    except ray.exceptions.RayError as exc:
-        raise _user_error(exc) from None
-
-
-class _Waiter:
-    """``ray.get`` on the profiling actors' calls with a deadline: a call not answered in time is a
-    ProfileTimeout naming it; a user error raised in an actor comes out as itself."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-
-    def __call__(self, refs: Any, what: str) -> Any:
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ProfileTimeout(
-                f"profiling: {what} did not answer within {self.timeout_s:.0f} s (an actor stuck or its "
-                "node gone); ProfileSettings.call_timeout_s sets the limit"
-            ) from None
-        except ray.exceptions.RayError as exc:
-            raise _user_error(exc) from None
-
-
-def _user_error(exc: BaseException) -> BaseException:
-    """The user error an actor raised (a DeviceError also from a failed constructor), else `exc`."""
-    found = unwrap(exc)
-    if found is not exc:
-        return found
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, HeterPSError) else exc
-
-
-def _kill(actors: dict[str, list[Any]]) -> None:
-    for group in actors.values():
-        for actor in group:
-            ray.kill(actor)
+        if rtype.name in actors:
+            hosts.release(rtype, actors[rtype.name], reuse)
 
 
 def _probe_runs(
@@ -481,7 +402,7 @@ def _layer_rounds(
     spec: ModelSpec,
     settings: ProfileSettings,
     bar: Any,
-    wait: _Waiter,
+    wait: Waiter,
     notes: list[str],
 ) -> list[_Row]:
     """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor; an item
@@ -519,7 +440,7 @@ def _host_runs(
     present: list[ResourceType],
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
-    wait: _Waiter,
+    wait: Waiter,
     calls: bool = True,
 ) -> list[_Row]:
     """Per type: the machine its first actor runs on (Ray node id in `peer`, cores in `rows`) and
@@ -547,7 +468,7 @@ def _transfer_runs(
     settings: ProfileSettings,
     bar: Any,
     notes: list[str],
-    wait: _Waiter,
+    wait: Waiter,
 ) -> list[_Row]:
     """Messages of each size from the first actor of every type to an actor of every type (its
     second actor for the same type); a message is timed by its sender until the receiver has it."""
@@ -583,7 +504,7 @@ def _call_runs(
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
     notes: list[str],
-    wait: _Waiter,
+    wait: Waiter,
 ) -> list[_Row]:
     """Per type: its first actor kept busy with calls from another actor (its second, else one of
     another type), at each message size; a row per size with `calls` in `ms`."""
@@ -608,7 +529,7 @@ def _pair_runs(
     layer: str,
     batch_size: int,
     settings: ProfileSettings,
-    wait: _Waiter,
+    wait: Waiter,
 ) -> list[_Row]:
     """The same layer for a fixed time on one actor, then on two actors at once: one row per actor
     with its calls and ms (the fit compares the summed call rates)."""
@@ -636,7 +557,7 @@ def _ps_runs(
     present: list[ResourceType],
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
-    wait: _Waiter,
+    wait: Waiter,
 ) -> list[_Row]:
     """Rows/s of pull+push through one real PS shard on the PS type, from a first-stage actor."""
     from heterps_ray.ps.shard import TableSpec, start_shards
@@ -682,7 +603,7 @@ def _input_runs(
     present: list[ResourceType],
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
-    wait: _Waiter,
+    wait: Waiter,
 ) -> list[_Row]:
     """Read rate of the job's dataset on each type (a small synthetic one when it has none yet)."""
     import tempfile

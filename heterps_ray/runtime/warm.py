@@ -11,6 +11,7 @@ survives). It is killed when a new actor needs the resources it holds, after IDL
 Example::
 
     actor = spawn(StageWorker, options, stage, replica, model, settings)  # warm if one is idle
+    blank = spawn(DataWorker, options)  # a process only: the profiler times layers in it first
     ...
     keep_warm(actor, StageWorker, options)  # instead of ray.kill, once the run is quiescent
 """
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
+from heterps_ray.reusable import blank_class
 
 # An idle actor holds its resources (a type's unit, CPU): killed after this long unused, so that a Tune
 # trial or a profiler actor waiting for them waits at most this long.
@@ -63,7 +66,7 @@ class _Pool:
             return entry.handle
         self._make_room(_bundle(options))
         self.started += 1
-        return ray.remote(cls).options(**options).remote(*args)
+        return ray.remote(cls if args else blank_class(cls)).options(**options).remote(*args)
 
     def keep(self, handle: Any, cls: type, options: dict[str, Any]) -> None:
         with self._lock:
@@ -134,8 +137,8 @@ _POOL = _Pool()
 
 
 def spawn(cls: type, options: dict[str, Any], *args: Any) -> Any:
-    """An actor of `cls` with Ray `options` built from `args`: an idle one reconfigured, else a new one
-    (idle actors holding resources it needs are killed first)."""
+    """An actor of `cls` with Ray `options` built from `args` (none: a blank one, heterps_ray.reusable):
+    an idle one reconfigured, else a new one (idle actors holding resources it needs are killed first)."""
     return _POOL.spawn(cls, options, *args)
 
 

@@ -14,6 +14,7 @@ import torch
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec
+from heterps_ray.profiling.actor import ProfilingHost
 from heterps_ray.ps.shard import actor_placement
 from heterps_ray.reusable import Reusable
 from heterps_ray.runtime.modes import Mode
@@ -89,9 +90,10 @@ class Busy:
         return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
 
 
-class StageActor(Reusable):
+class StageActor(Reusable, ProfilingHost):
     """What every worker answers about its stage, whichever it is: chaos faults armed, the newest
-    weights loaded (async weights on a PS, before evaluation), the dense weights saved."""
+    weights loaded (async weights on a PS, before evaluation), the dense weights saved; blank (before
+    its first run, heterps_ray.reusable), the profiler's measurements (ProfilingHost)."""
 
     compute: StageCompute
     faults: FaultPoints
