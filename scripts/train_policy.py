@@ -36,7 +36,9 @@ import math
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_policy, save_policy
@@ -44,6 +46,27 @@ from heterps_ray.scheduling.rl.pretrain import PRETRAIN_CONFIG, pretrain, traini
 from heterps_ray.scheduling.rl.scheduler import RLConfig, problem_fingerprint
 
 QUIET_FLAG = Path("/tmp/heterps_quiet")
+
+
+def _metadata(config: Any, args: argparse.Namespace, command: str, *ranges: Sequence[int]) -> dict[str, Any]:
+    """What policy.json records of a training run: the network, the pool it saw, the command."""
+    layers, types, wide_layers, wide_types = (list(r) for r in ranges)
+    return {
+        "hidden": config.hidden,
+        "set_hidden": config.set_hidden,
+        "type_features": list(TYPE_FEATURES),
+        "context_features": list(CONTEXT_FEATURES),
+        "config": dataclasses.asdict(config),
+        "seed": args.seed,
+        "pool": args.pool,
+        "layers": layers,
+        "types": types,
+        "wide": args.wide,
+        "wide_layers": wide_layers,
+        "wide_types": wide_types,
+        "command": command,
+        "init": None if args.init is None else str(args.init),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,23 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"generated {len(pool)} problems in {time.perf_counter() - started:.0f} s", flush=True)
     curve: list[dict[str, float]] = []
-    metadata = {
-        "hidden": config.hidden,
-        "set_hidden": config.set_hidden,
-        "type_features": list(TYPE_FEATURES),
-        "context_features": list(CONTEXT_FEATURES),
-        "config": dataclasses.asdict(config),
-        "seed": args.seed,
-        "pool": args.pool,
-        "layers": list(layers),
-        "types": list(types),
-        "wide": args.wide,
-        "wide_layers": list(wide_layers),
-        "wide_types": list(wide_types),
-        "command": command,
-        "init": None if args.init is None else str(args.init),
-        "curve": curve,
-    }
+    metadata = {**_metadata(config, args, command, layers, types, wide_layers, wide_types), "curve": curve}
 
     def saved(iteration: int, module: object, point: dict[str, float]) -> None:
         curve.append(point)
@@ -251,21 +258,16 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
         states = states + dagger_states(module, labelled, labels, seed=args.seed + i)
         fit(f"dagger {i + 1}")
     metadata = {
-        "hidden": config.hidden,
-        "set_hidden": config.set_hidden,
-        "type_features": list(TYPE_FEATURES),
-        "context_features": list(CONTEXT_FEATURES),
-        "config": dataclasses.asdict(config),
-        "seed": args.seed,
-        "pool": args.pool,
-        "layers": list(_int_range(args.layers)),
-        "types": list(_int_range(args.types)),
-        "wide": args.wide,
-        "wide_layers": list(_int_range(args.wide_layers)),
-        "wide_types": list(_int_range(args.wide_types)),
+        **_metadata(
+            config,
+            args,
+            command,
+            _int_range(args.layers),
+            _int_range(args.types),
+            _int_range(args.wide_layers),
+            _int_range(args.wide_types),
+        ),
         "runtime_share": args.runtime_share,
-        "command": command,
-        "init": None if args.init is None else str(args.init),
         "imitation": {"labelled": len(labelled), "exact_plans": solved, "rounds": rounds},
         "curve": [],
     }

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import local_job
 
-from heterps_ray.config import JobConfig, load_cluster
+from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.models import build_model
@@ -45,22 +46,15 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def make_job(model: dict, dataset: Path, output: Path, mode: str) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "name": f"zoo-{model['name']}-{mode}",
-            "model": model,
-            "cluster": load_cluster(REPO / "configs" / "clusters" / "local.yaml").model_dump(),
-            "data": {"path": str(dataset)},
-            "batch_size": BATCH,
-            "samples": 10_000,
-            "throughput_min": 0,
-            "mode": mode,
-            "output_dir": str(output),
-            "seed": 3,
-            "optimizer": {"sparse_lr": 0.05, "dense_lr": 0.01},
-            "runtime": {"micro_batches": 1 if mode == "async" else 2, "max_in_flight": 2},
-            "table": {"admit_after": 2},  # zero rows until a key's 2nd batch: where AutoInt drifted
-        }
+    return local_job(
+        f"zoo-{model['name']}-{mode}",
+        model,
+        dataset,
+        output,
+        mode=mode,
+        optimizer={"sparse_lr": 0.05, "dense_lr": 0.01},
+        runtime={"micro_batches": 1 if mode == "async" else 2},
+        table={"admit_after": 2},  # zero rows until a key's 2nd batch: where AutoInt drifted
     )
 
 
