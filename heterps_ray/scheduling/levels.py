@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,7 @@ class Proof:
         }
 
 
-class LevelPricing:
+class LevelPricing(ABC):
     """How one cost model prices a level; the walk (`cheapest`) is the same for every model.
 
     Subclasses state why each bound they return is one (their docstrings)."""
@@ -115,23 +116,27 @@ class LevelPricing:
         """Solver counts for plan.extra (what each level cost)."""
         return {}
 
+    @abstractmethod
     def lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
         """(lb <= R*(target), inf where no plan reaches it; assignments worth pricing as candidates)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def solve(self, target: float, objective: bool = True) -> Level | None:
         """The cheapest plan reaching `target` with a proven bound on R*(target); None only when no plan
         reaches it. objective False: any plan reaching it (a feasibility check)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def throughput_bound(self, known: float) -> float:
         """An upper bound on every plan's throughput, from a throughput `known` to be reached."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def fastest(self, known: float) -> tuple[float, tuple[int, ...] | None]:
         """(the highest throughput any plan reaches, a plan reaching it); `known`: reached by some plan
         (0: none known). On the deadline: the fastest proven so far, with proof.stop = TIME_LIMIT."""
-        raise NotImplementedError
+        ...
 
 
 Found = tuple[tuple[int, ...], Provisioned]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,15 +129,22 @@ def _stack(observations: list[dict[str, np.ndarray]], actions: list[int], pad: i
     return States(_padded(stacked, pad), np.asarray(actions, dtype=np.int64))
 
 
+def _labelled(
+    problems: Sequence[Problem], labels: Mapping[str, list[int] | None]
+) -> Iterator[tuple[Problem, list[int]]]:
+    """The problems exact solved, each with its plan's assignment."""
+    for problem in problems:
+        assignment = labels.get(problem_fingerprint(problem))
+        if assignment is not None:
+            yield problem, assignment
+
+
 def demonstrations(problems: Sequence[Problem], labels: Mapping[str, list[int] | None]) -> States:
     """Every (observation, exact's action) of exact's episode on each labelled problem."""
     observations: list[dict[str, np.ndarray]] = []
     actions: list[int] = []
     pad = max(p.num_types for p in problems)
-    for problem in problems:
-        assignment = labels.get(problem_fingerprint(problem))
-        if assignment is None:
-            continue
+    for problem, assignment in _labelled(problems, labels):
         env = SchedulingEnv({"problem": problem, "pad_types": pad})
         obs, _ = env.reset()
         for t in assignment:
@@ -164,10 +171,7 @@ def dagger_states(
     observations: list[dict[str, np.ndarray]] = []
     actions: list[int] = []
     pad = max(p.num_types for p in problems)
-    for problem in problems:
-        assignment = labels.get(problem_fingerprint(problem))
-        if assignment is None:
-            continue
+    for problem, assignment in _labelled(problems, labels):
         view = ProblemView(problem)
         envs = [SchedulingEnv({"problem": problem, "pad_types": pad}) for _ in range(samples + 1)]
         current = [env.reset(options={"problem": view})[0] for env in envs]
