@@ -145,21 +145,58 @@ def _elastic_job(work: Path, job_cluster: Path, name: str, rows: int) -> dict:
     }
 
 
+class _TwoNodes:
+    """One `ray start` head declaring cpu_small (started once for this file's multi-node tests: a start
+    and a stop cost seconds each) and, when a test needs it, a second node bringing cpu_big."""
+
+    def __init__(self, cluster: LocalRayCluster):
+        self.cluster = cluster
+        self.big_node: str | None = None  # the temp dir of the live cpu_big node, if one is up
+
+    def with_big_node(self) -> str:
+        if self.big_node is None:
+            self.big_node = self.cluster.add_node({"cpu_big": 2})
+        return self.big_node
+
+    def stop_big_node(self) -> int:
+        """SIGKILL the cpu_big node (a lost machine); returns how many processes it had."""
+        assert self.big_node is not None
+        killed = self.cluster.stop_node(self.big_node)
+        self.big_node = None
+        return killed
+
+    def head_alone(self) -> LocalRayCluster:
+        """The cluster with no cpu_big node alive (a node stopped here is waited out of ray.nodes())."""
+        if self.big_node is not None:
+            self.stop_big_node()
+            deadline = time.monotonic() + 120
+            while "cpu_big" in self.cluster.node_ids():
+                assert time.monotonic() < deadline, "the stopped cpu_big node is still alive"
+                time.sleep(1)
+        return self.cluster
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    _, head_cluster = _cluster_files(tmp_path_factory.mktemp("elastic_head"))
+    with LocalRayCluster(head_cluster) as cluster:
+        yield _TwoNodes(cluster)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
+def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run(two_nodes):
     work = Path(tempfile.mkdtemp(prefix="hps_elastic_"))
-    job_cluster, head_cluster = _cluster_files(work)
+    job_cluster, _ = _cluster_files(work)
     steps = 1200
     job = _elastic_job(work, job_cluster, "elastic-run", 50_000)
     # 45,000 train rows: 1,406 batches of 32, so the run is still training when the node goes.
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     out = work / "out"
     runner = None
-    cluster = LocalRayCluster(head_cluster)
+    cluster = two_nodes.cluster
     try:
-        cluster.start()
-        node_tmp = cluster.add_node({"cpu_big": 2})
+        two_nodes.with_big_node()
         runner = subprocess.Popen(
             [sys.executable, "-m", "heterps_ray", "run", str(work / "job.yaml"), "--address", cluster.address,
              "--steps", str(steps), "--quick-profile", "--no-progress"],
@@ -172,7 +209,7 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         assert runner.poll() is None, runner.communicate()[0]
         first_plan = json.loads((out / "plan.json").read_text())
         assert "cpu_big" in first_plan["assignment"], first_plan  # else stopping the node changes nothing
-        assert cluster.stop_node(node_tmp) > 0
+        assert two_nodes.stop_big_node() > 0
         text, _ = runner.communicate(timeout=600)
         assert runner.returncode == 0, text
         report = json.loads((out / "run_report.json").read_text())
@@ -200,16 +237,16 @@ def test_heterps_run_replans_when_the_node_of_a_type_is_stopped_mid_run():
         reference = trainer.evaluate(Dataset(work / "data").load("eval"))
         assert abs(report["auc"] - reference["auc"]) < 2e-3, (report["auc"], reference["auc"])
         assert abs(report["logloss"] - reference["logloss"]) < 2e-3
+        print(text)
     finally:
         if runner is not None and runner.poll() is None:
             runner.kill()
-        cluster.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
+def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it(two_nodes):
     """The run starts on the head alone (cpu_small); a second `ray start` node brings cpu_big, which the
     job's cluster declares but the start could not profile: it is profiled when it joins, the re-plan
     moves the layers onto it (10x cheaper), and the run finishes training like the reference."""
@@ -218,17 +255,16 @@ def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
     from heterps_ray.runtime.reference import ReferenceTrainer
 
     work = Path(tempfile.mkdtemp(prefix="hps_join_"))
-    job_cluster, head_cluster = _cluster_files(work)
+    job_cluster, _ = _cluster_files(work)
     steps = 2400
     job = _elastic_job(work, job_cluster, "join-run", 100_000)
     # 90,000 train rows: 2,812 batches of 32, so the run is still training when the node has joined.
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     out = work / "out"
     runner = None
-    cluster = LocalRayCluster(head_cluster)
+    cluster = two_nodes.head_alone()
     try:
         try:
-            cluster.start()
             runner = subprocess.Popen(
                 [sys.executable, "-m", "heterps_ray", "run", str(work / "job.yaml"), "--address",
                  cluster.address, "--steps", str(steps), "--quick-profile", "--no-progress"],
@@ -241,13 +277,12 @@ def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
             assert runner.poll() is None, runner.communicate()[0]
             first = load_problem(out / "problem.yaml")
             assert first.type_names == ["cpu_small"]  # cpu_big was not in the cluster: not profiled
-            cluster.add_node({"cpu_big": 2})
+            two_nodes.with_big_node()
             text, _ = runner.communicate(timeout=600)
             assert runner.returncode == 0, text
         finally:
             if runner is not None and runner.poll() is None:
                 runner.kill()
-            cluster.close()
         assert "lacks resource type(s) ['cpu_big'] now" in text  # said at the start, not refused
         report = json.loads((out / "run_report.json").read_text())
         assert len(report["replans"]) == 1, text
@@ -272,13 +307,14 @@ def test_heterps_run_profiles_a_type_that_joins_mid_run_and_replans_onto_it():
         trainer.fit(Dataset(work / "data"), config.batch_size, steps=steps, progress=False)
         reference = trainer.evaluate(Dataset(work / "data").load("eval"))
         assert abs(report["auc"] - reference["auc"]) < 2e-3, (report["auc"], reference["auc"])
+        print(text)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_data_worker_on_another_node_reads_the_dataset_from_shared_storage(dataset, tmp_path):
+def test_a_data_worker_on_another_node_reads_the_dataset_from_shared_storage(two_nodes, dataset, tmp_path):
     """Shared storage (the local filesystem stands in for an NFS or S3 mount): the dataset and the
     output_dir are at one path every node sees; the whole model's DataWorker (its PS shards hosted in
     its process) runs on the second node, the only one with cpu_big, and trains like the reference."""
@@ -289,23 +325,22 @@ def test_a_data_worker_on_another_node_reads_the_dataset_from_shared_storage(dat
     steps = 20
     job = _job(dataset, tmp_path / "out", checkpoint_every=10)
     (tmp_path / "job.yaml").write_text(job.model_dump_json())  # JSON is YAML
-    _, head_cluster = _cluster_files(tmp_path)
     plan = json.loads((PLANS / "one_stage_big.json").read_text())  # the whole model on cpu_big
     layers = [layer.name for layer in build_model(job.model).layers]
     plan.update(
         assignment=["cpu_big"] * len(layers), stages=[{"layers": layers, "type": "cpu_big", "replicas": 1}]
     )
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    with LocalRayCluster(head_cluster) as cluster:
-        cluster.add_node({"cpu_big": 2})
-        trained = subprocess.run(
-            [sys.executable, "-m", "heterps_ray", "train", str(tmp_path / "job.yaml"), "--plan",
-             str(tmp_path / "plan.json"), "--address", cluster.address, "--steps", str(steps),
-             "--no-progress"],
-            cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
-        assert trained.returncode == 0, trained.stdout + trained.stderr
-        nodes = cluster.node_ids()
+    cluster = two_nodes.cluster
+    two_nodes.with_big_node()
+    trained = subprocess.run(
+        [sys.executable, "-m", "heterps_ray", "train", str(tmp_path / "job.yaml"), "--plan",
+         str(tmp_path / "plan.json"), "--address", cluster.address, "--steps", str(steps),
+         "--no-progress"],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    nodes = cluster.node_ids()
     (big_node,) = nodes["cpu_big"]
     assert big_node not in nodes["cpu_small"]  # a node of its own, not the head
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
