@@ -179,7 +179,12 @@ class _TwoNodes:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     _, head_cluster = _cluster_files(tmp_path_factory.mktemp("elastic_head"))
-    with LocalRayCluster(head_cluster) as cluster:
+    cluster = LocalRayCluster(head_cluster)
+    # The head's GCS declares a SIGKILLed node dead after 5 failed health checks 1 s apart (Ray's
+    # default: 3 s apart), so the leave run's re-plan does not wait ~15 s for it; a check still waits
+    # Ray's 10 s for an answer, so a node slow under load is not taken for dead.
+    cluster.env.update(RAY_health_check_period_ms="1000")
+    with cluster:
         yield _TwoNodes(cluster)
 
 
