@@ -202,10 +202,12 @@ def test_run_refuses_a_floor_three_times_what_the_machine_does(first_run, tmp_pa
 
 
 @pytest.mark.slow
-def test_run_with_unreachable_floor_names_the_highest_reachable(ray_local, tmp_path):
+def test_run_with_unreachable_floor_names_the_highest_reachable(first_run, tmp_path):
+    # planned on the first run's quick profile of the same model and cluster: no second profile
+    _, _, first_out = first_run
     job = load_job(_job(tmp_path, throughput_min=1e9))
     with pytest.raises(InfeasibleError, match="the fastest reaches") as err:
-        run_job(job, steps=2, progress=False, quick_profile=True)
+        run_job(job, steps=2, progress=False, problem_file=first_out / "problem.yaml")
     assert 0 < err.value.best_throughput < 1e9
     assert not (tmp_path / "out" / "run_summary.json").exists()  # nothing trained
 
