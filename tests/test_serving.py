@@ -17,7 +17,6 @@ from heterps_ray.cli import main
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.errors import DataError
-from heterps_ray.runtime import warm
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import SUMMARY_FILE, train
 from heterps_ray.serving.export import DENSE_FILE, EMBEDDINGS_FILE, MANIFEST
@@ -37,9 +36,6 @@ def trained(ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
     synthesize(data, 4_000, seed=11, rows_per_part=1_000)
     job = tiny_sync_job("serving-test", data, root / "run")
     train(job, load_plan(PLAN), steps=40, progress=False)
-    # the run's actors stay idle for a next run, holding their CPU; the scoring here is Ray Data's
-    # actors, which they would keep waiting up to warm.IDLE_S
-    warm.release_idle()
     return root / "run", data, json.loads((root / "run" / SUMMARY_FILE).read_text())
 
 

@@ -74,6 +74,7 @@ def predict(
 
     from heterps_ray.cluster import connect
     from heterps_ray.runtime.evaluation import evaluate_logits
+    from heterps_ray.runtime.warm import release_idle
 
     model = model_dir(output_dir)
     inputs = _inputs(Path(data), splits)
@@ -84,6 +85,9 @@ def predict(
         raise DataError(f"{out}: a directory; expected the path of the Parquet file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     owns_ray = connect(None, address)
+    # a train() earlier in this driver leaves idle warm actors holding their CPUs: Ray Data's scoring
+    # actors would wait for them (up to warm.IDLE_S)
+    release_idle()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     counts: dict[str, int] = {}
     metrics: dict[str, dict[str, float]] = {}
