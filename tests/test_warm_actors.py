@@ -4,17 +4,23 @@ trained on fresh ones."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
+import yaml
 from helpers import TINY_MODEL, tiny_sync_job
 
+from heterps_ray.cli import main
+from heterps_ray.closedloop import REPORT_FILE
 from heterps_ray.closedloop.probes import WarmHosts
+from heterps_ray.config import load_cluster
+from heterps_ray.costmodel import problem_from_dict
 from heterps_ray.costmodel.plan import Plan, load_plan
 from heterps_ray.profiling.placement import start_profiling
-from heterps_ray.runtime import warm
+from heterps_ray.runtime import loop, warm
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import train
 from heterps_ray.runtime.loop import LiveActors
@@ -119,3 +125,65 @@ def test_idle_actors_make_room_for_a_plan_that_needs_their_slots(ray_local, data
     summary = train(job, Plan.from_dict(raw), steps=10, progress=False)
     assert [s["type"] for s in summary.stages] == ["cpu_small", "cpu_big"] and summary.steps == 10
     warm.release_idle()
+
+
+def _optimistic_problem(folder: Path) -> Path:
+    """The tiny model's four layers priced near-free on both types, cpu_big at 100x cpu_small's price
+    and the PS unlimited: one stage on cpu_small promises any floor and is the cheapest plan; once it
+    missed and the model was refit on it, one stage on cpu_big is the plan that still promises it."""
+    names = ["embedding", "fc1", "fc2", "logit"]
+    free = {"fixed": 0.001, "per_sample": 1e-6}
+    data = {
+        "name": "tiny, optimistic",
+        "batch_size": 64,
+        "samples": 1e6,
+        "throughput_min": 0,
+        "input_bytes_per_sample": 100,
+        "resources": [
+            {"name": "cpu_small", "price_per_hour": 0.1, "max_instances": 4, "bandwidth_gbps": 10},
+            {"name": "cpu_big", "price_per_hour": 10.0, "max_instances": 2, "bandwidth_gbps": 10},
+        ],
+        "ps": {"resource": "cpu_small", "min_shards": 1},
+        "layers": [
+            {"name": n, "out_bytes_per_sample": 64, "sparse_rows_per_sample": 26 if n == "embedding" else 0,
+             "parallel_fraction": 1.0, "time_ms": {"cpu_small": free, "cpu_big": free}}
+            for n in names
+        ],
+    }  # fmt: skip
+    return problem_from_dict(data).save(folder / "optimistic.yaml")
+
+
+def test_a_replan_onto_a_type_already_up_reconfigures_its_actor_and_reports_its_first_batch(
+    ray_local, dataset, tmp_path, monkeypatch, capsys
+):
+    """`heterps run` holds its warm actors (warm.hold) from the profile to its last re-plan: the
+    closed loop misses its floor on one stage on cpu_small and re-plans onto one stage on cpu_big,
+    whose DataWorker the profile left up, so the re-plan reconfigures it and starts no process, and
+    says how soon it trained again. Idle actors here expire after 1 s (not 20): without the hold the
+    cpu_big one would be gone before the re-plan. The floor's window is 1 s (not 3) to keep it short."""
+    hosts = WarmHosts()  # a DataWorker of each type up and idle, as the profile leaves them
+    cluster = load_cluster(REPO / "configs" / "clusters" / "local.yaml")
+    for name in ("cpu_small", "cpu_big"):
+        hosts.release(cluster.type(name), hosts.start(cluster.type(name), 1), reuse=True)
+    monkeypatch.setattr(warm, "IDLE_S", 1.0)
+    monkeypatch.setattr(loop, "FLOOR_WINDOW_S", 1.0)
+    job = tiny_sync_job("warm-replan", dataset, tmp_path / "out").model_dump(mode="json")
+    job.update(throughput_min=1e6, scheduler="exact", runtime={**job["runtime"], "epochs": 200})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+
+    before = warm.counts()
+    problem = _optimistic_problem(tmp_path)
+    code = main(["run", str(tmp_path / "job.yaml"), "--problem", str(problem), "--no-progress"])
+    used = {k: warm.counts()[k] - before[k] for k in before}
+
+    printed = capsys.readouterr()
+    assert code == 3, printed.err[-3000:]  # no plan keeps 1M samples/s here: the loop gave up
+    attempts = json.loads((tmp_path / "out" / REPORT_FILE).read_text())["floor_attempts"]
+    assert attempts[0]["old_plan"].startswith("embedding..logit@cpu_small"), attempts[0]
+    assert attempts[0]["new_plan"].startswith("embedding..logit@cpu_big"), attempts[0]
+    assert attempts[1]["old_plan"] == attempts[0]["new_plan"]  # the re-plan trained
+    assert used == {"reused": 2, "started": 0}  # cpu_small's DataWorker, then cpu_big's: no new process
+    restart = attempts[0]["restart"]
+    assert 0 <= restart["replan_s"] <= restart["ready_s"] < restart["first_batch_s"], restart
+    assert f"re-plan: first batch {restart['first_batch_s']:.1f} s after the decision" in printed.out
+    assert f"re-plans    first batch {restart['first_batch_s']:.1f} s after the decision" in printed.out

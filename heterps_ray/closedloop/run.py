@@ -23,6 +23,12 @@ Closed loop: after the warm-up the runtime compares the steady throughput with t
 refit on the measurement (costmodel/calibrate.py), the scheduler re-plans and training resumes, at
 most replan.FLOOR_ATTEMPTS times, each listed under "floor_attempts". When no plan meets the floor,
 the run stops with exit 3 naming the highest throughput measured (run_report.json is still written).
+
+Warm actors: the whole run holds the runtime's idle actors (runtime/warm.py hold): those the profile
+left, of every type, and every plan's, wait for the re-plans and elastic restarts to come, however late,
+and are reconfigured instead of started. Only the idle actors of a type that left the cluster go, and on
+an autoscaling cluster those of every type the plan in training does not use (so that the autoscaler can
+take back their nodes).
 """
 
 from __future__ import annotations
@@ -42,12 +48,13 @@ from heterps_ray.closedloop.report import REPORT_FILE, RunReport, build_report, 
 from heterps_ray.closedloop.state import STATE_FILE, has_state, load_state, save_state
 from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
-from heterps_ray.costmodel import Problem, load_problem, one_replica_per_stage
+from heterps_ray.costmodel import Plan, Problem, load_problem, one_replica_per_stage
 from heterps_ray.costmodel.table_memory import check_job_table, check_table_fits
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.profiling.fit import write_problem
 from heterps_ray.profiling.profiler import ProfileSettings
+from heterps_ray.runtime import warm
 from heterps_ray.runtime.checkpoint import CHECKPOINTS_DIR, MODEL_DIR
 from heterps_ray.runtime.driver import SUMMARY_FILE, RunSummary, train
 from heterps_ray.runtime.elastic import ResourcesChanged
@@ -101,18 +108,19 @@ def run_job(
     )
     owns_ray = connect(job.cluster, address, all_types=False)  # elastic: types may join later
     try:
-        with _timed(seconds, "data"):
-            prepare_dataset(job.data, seed=job.seed)
-        if saved is None:
-            decisions = _plan(job, scheduler, settings, out, problem_file, seconds, waits)
-        else:
-            decisions = saved[0]
-            print(f"resuming {out} with {plan_line(decisions.plan)}")
-        save_state(out, job, decisions, seconds)
-        with _timed(seconds, "train"):
-            summary, gave_up = _train(
-                job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None, waits
-            )
+        with warm.hold():  # the profile's and every plan's idle actors wait for the re-plans
+            with _timed(seconds, "data"):
+                prepare_dataset(job.data, seed=job.seed)
+            if saved is None:
+                decisions = _plan(job, scheduler, settings, out, problem_file, seconds, waits)
+            else:
+                decisions = saved[0]
+                print(f"resuming {out} with {plan_line(decisions.plan)}")
+            save_state(out, job, decisions, seconds)
+            with _timed(seconds, "train"):
+                summary, gave_up = _train(
+                    job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None, waits
+                )
     finally:
         if owns_ray:
             ray.shutdown()
@@ -211,9 +219,11 @@ def _train(
     resume: Path | None = None
     stops = 0
     restart: _Restart | None = None  # the last re-plan, until its run has trained a batch
+    gone: set[str] = set()  # types that left the cluster and did not come back
     with PlanNodes(job, waits) as nodes:  # its lines print with --no-progress too, as re-plans do
         while True:
             called = time.perf_counter()
+            warm.release_types(_types_left(job, decisions.plan, gone))
             try:
                 # autoscaling: request and await this plan's nodes (a type that does not come: re-plan)
                 resume = nodes.get(decisions, replanner, resume)
@@ -237,6 +247,8 @@ def _train(
                     restart.record(called, stop.start)
                 decided = time.perf_counter()
                 stops += 1
+                if isinstance(stop, ResourcesChanged):
+                    gone = (gone | set(stop.before)) - set(stop.now)
                 # autoscaling: a plan type that left is asked for again before the run re-plans
                 replan = nodes.after(stop, decisions.plan)
                 if replan is None:  # it came back: the same plan resumes
@@ -255,6 +267,17 @@ def _train(
                 if not decisions.measured:
                     raise
                 return None, err
+
+
+def _types_left(job: JobConfig, plan: Plan, gone: set[str]) -> set[str]:
+    """The types whose idle actors go before `plan` trains: those that left the cluster (`gone`: their
+    actors died with their nodes), and on an autoscaling cluster every type `plan` does not use (an idle
+    actor would keep the autoscaler from taking back its node). Any other type may come back in a
+    re-plan, so its actors stay up."""
+    if not job.cluster.autoscale.enabled:
+        return gone
+    used = {s.type for s in plan.stages} | {plan.ps_type}
+    return gone | {t.name for t in job.cluster.resource_types if t.name not in used}
 
 
 class _Restart:

@@ -6,7 +6,14 @@ seconds to be ready; reconfiguring one takes milliseconds.
 An idle actor is reused by an actor of the same class and the same Ray options (so the same resource
 type), reconfigured with the new run's arguments (heterps_ray.reusable: nothing of the last run
 survives). It is killed when a new actor needs the resources it holds, after IDLE_S unused, by
-:func:`release_idle`, or with its Ray session. A dead idle actor is dropped when it is next tried.
+:func:`release_idle` (or :func:`release_types`, its type's), or with its Ray session. A dead idle actor
+is dropped when it is next tried.
+
+While a :func:`hold` is open (``heterps run`` holds one from its profile to its last re-plan) no idle
+actor expires: a re-plan or an elastic restart minutes into a run finds the actors the profile and the
+earlier plans left, of every type, and reconfigures them. New actors still make room as above, so a
+held actor never keeps one of this driver's own from being placed; the idle time of every actor
+starts again when the last hold closes.
 
 Example::
 
@@ -14,13 +21,17 @@ Example::
     blank = spawn(DataWorker, options)  # a process only: the profiler times layers in it first
     ...
     keep_warm(actor, StageWorker, options)  # instead of ray.kill, once the run is quiescent
+    with hold():  # a whole `heterps run`: idle actors wait for its re-plans
+        ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +39,8 @@ import ray
 
 from heterps_ray.reusable import blank_class
 
-# An idle actor holds its resources (a type's unit, CPU): killed after this long unused, so that a Tune
-# trial or a profiler actor waiting for them waits at most this long.
+# An idle actor holds its resources (a type's unit, CPU): killed after this long unused (unless held),
+# so that a Tune trial or another driver's actor waiting for them waits at most this long.
 IDLE_S = 20.0
 RECONFIGURE_TIMEOUT_S = 30.0  # an idle actor that does not answer by then is taken for dead
 _SWEEP_S = 1.0  # how often the idle list is checked for actors past IDLE_S
@@ -51,6 +62,7 @@ class _Pool:
         self._session: tuple[str, str] | None = None
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
+        self._holds = 0  # open hold()s: while any, no idle actor expires
         self.reused = 0  # actors reconfigured instead of started (counts(): what the tests check)
         self.started = 0
 
@@ -76,16 +88,43 @@ class _Pool:
                 self._sweeper = threading.Thread(target=self._sweep, name="heterps-warm-actors", daemon=True)
                 self._sweeper.start()
 
-    def release(self, older_than: float = 0.0) -> int:
-        """Kill the idle actors unused for `older_than` seconds (all by default); returns how many."""
+    def release(self, older_than: float = 0.0, unless_held: bool = False) -> int:
+        """Kill the idle actors unused for `older_than` seconds (all by default; none while held when
+        `unless_held`: the idle expiry); returns how many."""
         now = time.monotonic()
         with self._lock:
             self._check_session()
+            if unless_held and self._holds:
+                return 0
             going = [e for e in self._idle if now - e.since >= older_than]
             self._idle = [e for e in self._idle if now - e.since < older_than]
         for entry in going:
             _kill(entry.handle)
         return len(going)
+
+    def release_types(self, types: set[str]) -> int:
+        """Kill the idle actors pinned to any of `types` (their type's custom resource); returns how many."""
+        with self._lock:
+            self._check_session()
+            going = [e for e in self._idle if types & e.bundle.keys()]
+            self._idle = [e for e in self._idle if not types & e.bundle.keys()]
+        for entry in going:
+            _kill(entry.handle)
+        return len(going)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if self._holds == 0:  # idle from now on: a held actor gets its IDLE_S like any other
+                    now = time.monotonic()
+                    for entry in self._idle:
+                        entry.since = now
 
     def _take(self, key: str) -> _Idle | None:
         with self._lock:
@@ -128,7 +167,7 @@ class _Pool:
             time.sleep(_SWEEP_S)
             if ray.is_initialized():
                 try:
-                    self.release(older_than=IDLE_S)
+                    self.release(older_than=IDLE_S, unless_held=True)
                 except Exception:  # a Ray shutting down under the thread: the next sweep sees it
                     continue
 
@@ -150,6 +189,18 @@ def keep_warm(handle: Any, cls: type, options: dict[str, Any]) -> None:
 def release_idle() -> int:
     """Kill every idle actor now (before work that needs their resources); returns how many."""
     return _POOL.release()
+
+
+def release_types(types: Iterable[str]) -> int:
+    """Kill the idle actors of these resource types now (types that left the cluster, or a plan on an
+    autoscaling cluster that gives their nodes back); returns how many."""
+    return _POOL.release_types(set(types))
+
+
+def hold() -> contextlib.AbstractContextManager[None]:
+    """``with hold():`` no idle actor expires inside the block (nested holds: until the last closes);
+    new actors still make room, :func:`release_idle` and :func:`release_types` still kill."""
+    return _POOL.hold()
 
 
 def counts() -> dict[str, int]:
