@@ -78,6 +78,8 @@ def run_probe(
             ),
         }
     )  # fmt: skip
-    summary = train(probe_job, plan, steps=probe_steps(job, steps), progress=False, save=False)
+    summary = train(
+        probe_job, plan, steps=probe_steps(job, steps), progress=False, save=False, evaluation=False
+    )
     rate = summary.steady_throughput or summary.throughput
     return 1000.0 * job.batch_size / rate

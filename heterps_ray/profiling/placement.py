@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import ray
@@ -100,20 +101,35 @@ def start_profiling(
     """Build the model's layers in each actor of `group` (ProfilingHost.start_profiling) and return
     their descriptions: a DeviceError raised in one comes out as itself, and actors not placed in
     `timeout_s` are a ConfigError naming the type and what the cluster has."""
-    name = rtype.name
-    calls = [a.start_profiling.remote(model, seed, rtype.torch_threads, rtype.device, name) for a in group]
-    try:
-        return list(ray.get(calls, timeout=timeout_s))
-    except ray.exceptions.GetTimeoutError:
-        raise ConfigError(
-            None,
-            "cluster.resource_types",
-            f"{len(group)} profiling actor(s) of {name!r} placed within {timeout_s:.0f} s (each asks "
-            f"for {rtype.actor_options()['num_cpus']:g} CPU, {rtype.num_gpus:g} GPU and 1 {name!r}; "
-            f"the cluster has {ray.available_resources()} free)",
-        ) from None
-    except ray.exceptions.RayError as exc:
-        raise _user_error(exc) from None
+    return start_all([(rtype, group)], model, seed, timeout_s)[rtype.name]
+
+
+def start_all(
+    groups: list[tuple[ResourceType, list[Any]]], model: dict[str, Any], seed: int, timeout_s: float
+) -> dict[str, list[dict[str, Any]]]:
+    """:func:`start_profiling` for every type's group at once (their layers built side by side, one
+    deadline for all); the descriptions by type name."""
+    calls = {
+        rtype.name: [a.start_profiling.remote(model, seed, rtype.torch_threads, rtype.device, rtype.name)
+                     for a in group]
+        for rtype, group in groups
+    }  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rtype, group in groups:
+        try:
+            out[rtype.name] = list(ray.get(calls[rtype.name], timeout=max(deadline - time.monotonic(), 0.0)))
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                None,
+                "cluster.resource_types",
+                f"{len(group)} profiling actor(s) of {rtype.name!r} placed within {timeout_s:.0f} s (each "
+                f"asks for {rtype.actor_options()['num_cpus']:g} CPU, {rtype.num_gpus:g} GPU and 1 "
+                f"{rtype.name!r}; the cluster has {ray.available_resources()} free)",
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise _user_error(exc) from None
+    return out
 
 
 class Waiter:

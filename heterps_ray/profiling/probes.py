@@ -7,7 +7,8 @@ The probes train sync plans for a few seconds each on the job's own data and act
 * for every type ``t`` but the first: the first layer on the first type, the rest on ``t`` (one call
   per batch to a stage of ``t``), and the first layer on the second type, the rest on the first;
 * one stage on each type (its DataWorker hosts the shards): the runtime's own speed on that type,
-  :data:`ONE_STAGE_REPEATS` times each, the types interleaved (the fit takes each probe's median).
+  :data:`ONE_STAGE_REPEATS` times each, the types interleaved, every other round reversed (the fit
+  takes each probe's median).
 
 The two-stage probes go first: each starts a DataWorker and a StageWorker at once (warm.py keeps
 them), so the one-stage probes that follow run on warm DataWorkers. An actor's first run is slower
@@ -63,4 +64,6 @@ def probe_plans(
             probes.append((first, callee, 1))
         if len(types) > 1:
             probes.append((types[1], first, 1))
-    return probes + [(t, "", len(layers)) for _ in range(repeats) for t in types]
+    # every other round in reverse (ABBA): a drift of the machine's speed over the probes shifts no type
+    rounds = [types if rep % 2 == 0 else types[::-1] for rep in range(repeats)]
+    return probes + [(t, "", len(layers)) for order in rounds for t in order]

@@ -43,7 +43,7 @@ from heterps_ray.profiling.placement import (
     OwnHosts,
     Waiter,
     actor_counts,
-    start_profiling,
+    start_all,
 )
 from heterps_ray.profiling.probes import ONE_STAGE_REPEATS, PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
 
@@ -60,9 +60,9 @@ class ProfileSettings:
     """untimed calls before each timed series"""
     repeats: int = 5
     """timed calls per (layer, type, batch size); the fit uses their mean"""
-    pair_repeats: int = 3
+    pair_repeats: int = 2
     """1- vs 2-replica wall-time runs per (layer, type)"""
-    pair_ms: float = 60.0
+    pair_ms: float = 40.0
     """each 1-/2-replica run repeats the layer on each actor for this long"""
     transfer_bytes: tuple[int, ...] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
     ps_calls: int = 8
@@ -70,11 +70,11 @@ class ProfileSettings:
     ps_repeats: int = 3
     input_rows: int = 1 << 16
     """rows read per input-rate repeat: one chunk of heterps_ray.data.dataset (it converts 65,536 at a time)"""
-    host_window_s: float = 1.0
+    host_window_s: float = 0.5
     """how long each type's first actor watches its machine's CPU use while idle (background load)"""
-    host_calls: int = 200
+    host_calls: int = 100
     """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
-    call_count: int = 60
+    call_count: int = 40
     """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
     probe_steps: int | None = PROBE_STEPS
     """batches each runtime probe trains (probes.py; 0: the warm-up and one read chunk's worth; None: no
@@ -272,15 +272,21 @@ def measure(
     model = {"name": job.model.name, **job.model.params}
     actors: dict[str, list[Any]] = {}
     described = []
+    ps: _PSProbe | None = None
     try:
-        for rtype in present:  # every type's processes start at once, then each is waited for
+        for rtype in present:  # every type's processes start at once, and build their layers at once
             actors[rtype.name] = hosts.start(rtype, counts[rtype.name])
-        for rtype in present:
-            infos = start_profiling(actors[rtype.name], rtype, model, settings.seed, settings.start_timeout_s)
-            described += [{"type": rtype.name, **info} for info in infos]
+        ps = _PSProbe.start(job, spec, present, settings)  # its shard and keys while the actors start
+        infos = start_all(
+            [(t, actors[t.name]) for t in present], model, settings.seed, settings.start_timeout_s
+        )
+        described += [{"type": name, **info} for name, group in infos.items() for info in group]
     except BaseException:
+        if ps is not None:
+            ps.stop()
         _release(hosts, present, actors, reuse=False)
         raise
+    assert ps is not None
     seconds: dict[str, float] = {"start": time.perf_counter() - started}
     started = time.perf_counter()
     wait = Waiter(settings.call_timeout_s)
@@ -309,7 +315,7 @@ def measure(
         rows += _call_runs(present, actors, settings, notes, wait)
         bar.update()
         bar.set_postfix_str("PS shard")
-        rows += _ps_runs(job, spec, present, actors, settings, wait)
+        rows += ps.runs(spec, actors, settings, wait)
         bar.update()
         bar.set_postfix_str("input read rate")
         rows += _input_runs(job, present, actors, settings, wait)
@@ -320,6 +326,7 @@ def measure(
         done = True
     finally:
         bar.close()
+        ps.stop()
         _release(hosts, present, actors, reuse=done)
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
@@ -551,31 +558,41 @@ def _pair_runs(
     return out
 
 
-def _ps_runs(
-    job: JobConfig,
-    spec: ModelSpec,
-    present: list[ResourceType],
-    actors: dict[str, list[Any]],
-    settings: ProfileSettings,
-    wait: Waiter,
-) -> list[_Row]:
-    """Rows/s of pull+push through one real PS shard on the PS type, from a first-stage actor."""
-    from heterps_ray.ps.shard import TableSpec, start_shards
+@dataclass
+class _PSProbe:
+    """The PS measurements: one real PS shard on the PS type, and the key batches a first-stage actor
+    pulls and pushes through it (both made while the profiling actors start)."""
 
-    names = [t.name for t in present]
-    ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
-    ps_type = job.cluster.type(ps_name)
-    # a shard computes nothing on a GPU: asking for none, it cannot wait for the profiling actors' GPUs
-    options = {**ps_type.actor_options(), "num_gpus": 0}
-    shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, options)
-    micro_batch = job.batch_size // job.runtime.micro_batches
-    batches = _key_batches(
-        job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
-    )
-    client = actors[ps_name][0]
-    out = []
-    dense_params = max(spec.dense_params, 1)
-    try:
+    ps_name: str
+    micro_batch: int
+    shards: list[Any]
+    batches: list[np.ndarray]
+
+    @classmethod
+    def start(
+        cls, job: JobConfig, spec: ModelSpec, present: list[ResourceType], settings: ProfileSettings
+    ) -> _PSProbe:
+        from heterps_ray.ps.shard import TableSpec, start_shards
+
+        names = [t.name for t in present]
+        ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
+        # a shard computes nothing on a GPU: asking for none, it cannot wait for the profiling actors' GPUs
+        options = {**job.cluster.type(ps_name).actor_options(), "num_gpus": 0}
+        shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, options)
+        micro_batch = job.batch_size // job.runtime.micro_batches
+        batches = _key_batches(
+            job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
+        )
+        return cls(ps_name, micro_batch, shards, batches)
+
+    def runs(
+        self, spec: ModelSpec, actors: dict[str, list[Any]], settings: ProfileSettings, wait: Waiter
+    ) -> list[_Row]:
+        """Rows/s of pull+push through the shard, from the PS type's first actor; dense pushes to it."""
+        shards, batches, ps_name, micro_batch = self.shards, self.batches, self.ps_name, self.micro_batch
+        client = actors[ps_name][0]
+        out = []
+        dense_params = max(spec.dense_params, 1)
         warm = client.ps_round_trips.remote(shards, batches[: settings.ps_calls], spec.embedding_dim)
         wait(warm, "PS round trips (warm-up)")
         for rep in range(settings.ps_repeats):
@@ -592,10 +609,11 @@ def _ps_runs(
             out.append(
                 _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
             )
-    finally:
-        for shard in shards:
+        return out
+
+    def stop(self) -> None:
+        for shard in self.shards:
             ray.kill(shard)
-    return out
 
 
 def _input_runs(

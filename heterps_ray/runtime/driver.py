@@ -97,12 +97,14 @@ def train(
     elastic: bool = False,
     floor: float | None = None,
     start_if_none: bool = False,
+    evaluation: bool = True,
 ) -> RunSummary:
     """Run `plan` for `job` on Ray and return its summary.
 
     Uses the running Ray if there is one, else connects to `address` (or $RAY_ADDRESS), else starts
     an embedded local Ray with the cluster's resource types as custom resources (stopped at the end).
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
+    `evaluation`: False leaves out the eval split's AUC (a runtime probe times training only).
     `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (a checkpoint of
     another plan with as many DataWorkers works too, in both modes: dense weights and optimizer state
     go by layer name, wherever the old or the new plan keeps them, and PS rows are re-sharded).
@@ -177,7 +179,7 @@ def train(
         started = _start_timing(ready_s, loop.first_batch_s)
         # from here on every phase that talks to an actor is supervised: a fault rolls back to the
         # trained state (made durable by the loop) and the phase is done again
-        metrics = loop.supervised("evaluate", lambda: evaluate(actors, eval_files))
+        metrics = loop.supervised("evaluate", lambda: evaluate(actors, eval_files if evaluation else []))
         ps = loop.supervised("stats", actors.ps_stats)
         data_wait = loop.supervised("stats", actors.data_wait)
         counts = loop.supervised(
