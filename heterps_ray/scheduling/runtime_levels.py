@@ -533,7 +533,8 @@ def relax_limits(
     level's: levels move little), `unit` the first step ($/hour an instance)."""
     T = weight.shape[-1]
     mu = np.zeros(T) if start is None else start.copy()
-    best, best_mu, met = -math.inf, np.zeros(T), []
+    best, best_mu = -math.inf, np.zeros(T)
+    met: list[list[tuple[int, int, int]]] = []
     step = unit * (0.5 if start is None else 0.2)  # unit: $/hour of the dearest instance
     for _ in range(steps):
         value, path = cheapest_path(_with_limits(weight, k, mu))
