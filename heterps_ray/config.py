@@ -78,11 +78,11 @@ class ResourceType(BaseModel):
         description="GiB of memory of the node one actor of this type runs on, a node per actor (default: "
         "this machine's memory, shared by the actors of every type without a node_memory_gb)",
     )
-    omp_wait_policy: Literal["passive", "active"] = Field(
-        "passive",
+    omp_wait_policy: Literal["auto", "passive", "active"] = Field(
+        "auto",
         description="how torch's OpenMP threads wait between parallel regions: passive sleeps (where actors "
         "share cores, a spinning thread takes a neighbour's core), active spins (least latency on cores "
-        "of its own)",
+        "of its own), auto: the job chooses (JobConfig.spin_wait)",
     )
 
     @field_validator("ray_resources")
@@ -100,6 +100,11 @@ class ResourceType(BaseModel):
             raise ValueError("num_gpus > 0 for a type whose device is cuda (its actors must ask Ray for a GPU)")
         return v
 
+    @property
+    def wait_policy(self) -> Literal["passive", "active"]:
+        """The OpenMP wait policy its actors get: "auto" left unresolved (a cluster without a job) sleeps."""
+        return "active" if self.omp_wait_policy == "active" else "passive"
+
     def actor_options(self) -> dict[str, Any]:
         """The `ray.remote(...).options(**opts)` that pin an actor to this type."""
         from heterps_ray.devices import actor_env
@@ -111,7 +116,7 @@ class ResourceType(BaseModel):
             "num_gpus": self.num_gpus,
             "resources": resources,
             # merged with the job's runtime_env by Ray (env_vars add up)
-            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.omp_wait_policy.upper(), **actor_env()}},
+            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.wait_policy.upper(), **actor_env()}},
         }
 
 
@@ -349,6 +354,30 @@ class JobConfig(BaseModel):
     table: TableConfig = TableConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_wait_policy(cls, raw: Any) -> Any:
+        """A type's ``omp_wait_policy: auto`` becomes active where the job's stages never compute at once
+        (sync, one micro-batch per batch): a thread spinning between its own parallel regions then takes
+        no core another actor needs, and sleeping cost a one-stage plan a third of its speed
+        (BENCHMARKS.md "OpenMP's wait policy by mode"). Async or micro-batched stages compute side by
+        side, where a spinning thread halved an async three-stage plan: passive."""
+        if not isinstance(raw, dict) or raw.get("cluster") is None:
+            return raw
+        runtime = raw.get("runtime") or {}
+        micro = dict(runtime).get("micro_batches", 1)  # a RuntimeConfig iterates as its fields
+        spin = raw.get("mode", "sync") == "sync" and micro == 1
+        cluster = raw["cluster"]
+        types = dict(cluster).get("resource_types")
+        if not isinstance(types, list):
+            return raw  # the cluster's own validation names what is wrong
+        resolved = [_resolve_auto(t, "active" if spin else "passive") for t in types]
+        if isinstance(cluster, ClusterConfig):
+            cluster = cluster.model_copy(update={"resource_types": resolved})
+        else:
+            cluster = {**cluster, "resource_types": resolved}
+        return {**raw, "cluster": cluster}
+
     @field_validator("runtime")
     @classmethod
     def _check_micro_batches(cls, runtime: RuntimeConfig, info: ValidationInfo) -> RuntimeConfig:
@@ -356,6 +385,14 @@ class JobConfig(BaseModel):
         if batch_size and batch_size % runtime.micro_batches:
             raise ValueError(f"micro_batches ({runtime.micro_batches}) to divide batch_size ({batch_size})")
         return runtime
+
+
+def _resolve_auto(rtype: Any, policy: str) -> Any:
+    if isinstance(rtype, ResourceType) and rtype.omp_wait_policy == "auto":
+        return rtype.model_copy(update={"omp_wait_policy": policy})
+    if isinstance(rtype, dict) and rtype.get("omp_wait_policy", "auto") == "auto":
+        return {**rtype, "omp_wait_policy": policy}
+    return rtype
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,10 +57,34 @@ def test_local_cluster_declares_two_cpu_types_with_different_threads():
     assert len(threads) == 2 and len(set(threads.values())) == 2
     opts = cluster.type("cpu_big").actor_options()
     assert opts["resources"] == {"cpu_big": 1.0} and opts["num_gpus"] == 0
-    # torch's OpenMP threads sleep while waiting: the two types share the machine's cores
+    # "auto" with no job to decide: torch's OpenMP threads sleep while waiting (the types share cores)
     assert opts["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
     spinning = cluster.type("cpu_big").model_copy(update={"omp_wait_policy": "active"})
     assert spinning.actor_options()["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({}, "ACTIVE"),  # sync, one micro-batch: no two stages compute at once
+        ({"mode": "async"}, "PASSIVE"),
+        ({"runtime": {"micro_batches": 2}}, "PASSIVE"),  # GPipe: stages overlap
+    ],
+)
+def test_auto_wait_policy_spins_only_where_stages_never_compute_at_once(tmp_path, changes, expected):
+    job = load_job(_write(tmp_path, _job(**changes)))
+    for rtype in job.cluster.resource_types:
+        assert rtype.actor_options()["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == expected
+    # the resolved job round-trips (a job dumped to a file, as the tests and `heterps run` do)
+    assert load_job(_write(tmp_path, job.model_dump(mode="json"), "again.yaml")).cluster == job.cluster
+
+
+def test_a_types_own_wait_policy_is_kept_whatever_the_mode(tmp_path):
+    cluster = yaml.safe_load(LOCAL_CLUSTER.read_text())
+    cluster["resource_types"][1]["omp_wait_policy"] = "passive"
+    job = load_job(_write(tmp_path, _job(cluster=cluster)))
+    policies = {t.name: t.wait_policy for t in job.cluster.resource_types}
+    assert policies == {"cpu_small": "active", "cpu_big": "passive"}
 
 
 @pytest.mark.parametrize(
