@@ -122,14 +122,15 @@ def run(system: str, job: Path, plan: str) -> dict[str, Any]:
     peaks = memory.stop()
     if code:
         raise SystemExit(f"{' '.join(command)} exited {code}")
-    out = Path(yaml.safe_load(job.read_text())["output_dir"])
+    config = yaml.safe_load(job.read_text())
+    out = Path(config["output_dir"])
     row: dict[str, Any] = {
         "system": system,
         "load_at_start": float(load),
         "wall_s": round(wall, 1),
         "memory": peaks,
     }
-    meta = json.loads((Path(yaml.safe_load(job.read_text())["data"]["path"]) / "_meta.json").read_text())
+    meta = json.loads((Path(config["data"]["path"]) / "_meta.json").read_text())
     row["achievable_auc"] = meta["achievable_auc"]
     if system == "reference":
         summary = json.loads((out / "reference_summary.json").read_text())
