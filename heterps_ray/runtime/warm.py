@@ -31,7 +31,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,25 +92,22 @@ class _Pool:
         """Kill the idle actors unused for `older_than` seconds (all by default; none while held when
         `unless_held`: the idle expiry); returns how many."""
         now = time.monotonic()
-        with self._lock:
-            self._check_session()
-            if unless_held and self._holds:
-                return 0
-            going = [e for e in self._idle if now - e.since >= older_than]
-            self._idle = [e for e in self._idle if now - e.since < older_than]
-        for entry in going:
-            _kill(entry.handle)
-        return len(going)
+        return self._kill_where(lambda e: now - e.since >= older_than, skip_if_held=unless_held)
 
     def release_types(self, types: set[str]) -> int:
         """Kill the idle actors pinned to any of `types` (their type's custom resource); returns how many."""
+        return self._kill_where(lambda e: bool(types & e.bundle.keys()))
+
+    def _kill_where(self, going: Callable[[_Idle], bool], skip_if_held: bool = False) -> int:
         with self._lock:
             self._check_session()
-            going = [e for e in self._idle if types & e.bundle.keys()]
-            self._idle = [e for e in self._idle if not types & e.bundle.keys()]
-        for entry in going:
+            if skip_if_held and self._holds:
+                return 0
+            killed = [e for e in self._idle if going(e)]
+            self._idle = [e for e in self._idle if not going(e)]
+        for entry in killed:
             _kill(entry.handle)
-        return len(going)
+        return len(killed)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
