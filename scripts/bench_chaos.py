@@ -540,8 +540,9 @@ def _actors_totals(result: dict[str, Any]) -> dict[str, Any]:
 # -- part "driver": heterps run SIGKILLed and resumed ---------------------------------------------------
 
 
-def _hand_problem(folder: Path, big_price: float = 0.5) -> Path:
-    """A hand-priced problem of the job's ctr_dnn on the two local types (no profiling)."""
+def _hand_problem(folder: Path, big_price: float = 0.5, small_instances: int = 1) -> Path:
+    """A hand-priced problem of the job's ctr_dnn on the two local types (no profiling). `small_instances`
+    of cpu_small: with more than one, cpu_small holds a plan alone beside the PS shard."""
 
     def layer(name: str, rows: int = 0) -> dict[str, Any]:
         return {
@@ -562,7 +563,7 @@ def _hand_problem(folder: Path, big_price: float = 0.5) -> Path:
         "throughput_min": 0,
         "input_bytes_per_sample": 160,
         "resources": [
-            {"name": "cpu_small", "device": "cpu", "price_per_hour": 0.2, "max_instances": 1, "bandwidth_gbps": 10},
+            {"name": "cpu_small", "device": "cpu", "price_per_hour": 0.2, "max_instances": small_instances, "bandwidth_gbps": 10},
             {"name": "cpu_big", "device": "cpu", "price_per_hour": big_price, "max_instances": 1, "bandwidth_gbps": 10},
         ],  # fmt: skip
         "ps": {"resource": "cpu_small", "rows_per_second_per_shard": 2.0e6, "min_shards": 1},
@@ -752,7 +753,8 @@ def part_nodes(args: argparse.Namespace) -> dict[str, Any]:
     big.update(price_per_hour=0.01, torch_threads=1)
     (work / "job_cluster.yaml").write_text(yaml.safe_dump({**base, "name": "chaos-nodes", "resource_types": [small, big]}))
     (work / "head_cluster.yaml").write_text(yaml.safe_dump({**base, "name": "chaos-head", "resource_types": [small]}))
-    problem = _hand_problem(work, big_price=0.01)
+    # cpu_small must hold the plan alone once cpu_big's node has left (as many instances as local.yaml gives it)
+    problem = _hand_problem(work, big_price=0.01, small_instances=small["max_instances"])
     steps, every = args.nodes_steps, args.driver_every
     rng = random.Random(f"{args.seed}-nodes")
     files = {n: _run_job_file(work, n, data, str(work / "job_cluster.yaml"), steps, every) for n in ("calm", "chaos")}
