@@ -914,7 +914,7 @@ def main() -> None:
     parser.add_argument("--driver-steps", type=int, default=1200)
     parser.add_argument("--driver-every", type=int, default=100)
     parser.add_argument("--driver-kills", type=int, default=2)
-    parser.add_argument("--nodes-steps", type=int, default=1500)
+    parser.add_argument("--nodes-steps", type=int, default=3000)  # long enough that the join lands before the end
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_chaos")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "chaos.json")
     args = parser.parse_args()
