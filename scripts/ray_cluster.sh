@@ -77,8 +77,12 @@ print(*[s.getsockname()[1] for s in socks])')
   stop)
     # Not `ray stop`: it kills every Ray process on the machine (an embedded Ray, a test session's).
     # Stop only this cluster: the processes that name its temp dir or head port, and their children.
+    # In `ray stop`'s order: the GCS last. The raylet, the autoscaler's monitor.py and the agents talk
+    # to the GCS on SIGTERM (unregister, publish "terminated"); with the GCS gone first each of them
+    # waits out its GCS client's retries (10 s) instead of exiting within a second.
     "$PY" - "$RAY_TMP" "$HEAD_PORT" <<'PY'
 import sys
+import time
 
 import psutil
 
@@ -89,14 +93,30 @@ roots = [
     if any(m in arg for arg in (p.info["cmdline"] or []) for m in marks) and p.pid != psutil.Process().pid
 ]
 procs = {p.pid: p for r in roots for p in [r, *r.children(recursive=True)]}
-for p in procs.values():
+
+
+def is_gcs(p: psutil.Process) -> bool:
     try:
-        p.terminate()
+        return p.name() == "gcs_server"
     except psutil.NoSuchProcess:
-        pass
-_, alive = psutil.wait_procs(list(procs.values()), timeout=10)
-for p in alive:
-    p.kill()
+        return False
+
+
+gcs = [p for p in procs.values() if is_gcs(p)]
+for wave in ([p for p in procs.values() if p not in gcs], gcs):
+    for p in wave:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    alive, deadline = wave, time.monotonic() + 10
+    while alive and time.monotonic() < deadline:  # short polls: most exit well within a second
+        _, alive = psutil.wait_procs(alive, timeout=0.1)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 print(f"stopped {len(procs)} Ray processes of the cluster in {tmp}")
 PY
     ;;

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -97,6 +98,28 @@ def tiny_sync_job(name: str, dataset: Path, output: Path, checkpoint_every: int 
     )
 
 
+def _kill_tree(marks: tuple[str, ...]) -> int:
+    """SIGKILL every process (but this one) whose command line contains one of `marks`, and their
+    children; wait until they are gone. Returns how many there were."""
+    procs: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.pid != os.getpid() and any(m in cmd for m in marks):
+                procs.update({c.pid: c for c in [p, *p.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            continue
+    for p in procs.values():
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    alive, deadline = list(procs.values()), time.monotonic() + 10
+    while alive and time.monotonic() < deadline:  # short polls: psutil's own back off to seconds
+        _, alive = psutil.wait_procs(alive, timeout=0.1)
+    return len(procs)
+
+
 class LocalRayCluster:
     """A real multi-node Ray on this machine: a `ray start --head` through scripts/ray_cluster.sh with
     the types of `head_cluster` declared, plus worker nodes, each a `ray start` with a temp dir of its
@@ -166,38 +189,16 @@ class LocalRayCluster:
     def stop_node(self, node_tmp: str) -> int:
         """SIGKILL the processes of the node whose temp dir is `node_tmp`, and their children, as a lost
         machine would go. Returns how many there were."""
-        marks = (f"{node_tmp}/session_", f"--temp-dir={node_tmp}", f"--temp-dir {node_tmp}")
-        roots = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-            except psutil.NoSuchProcess:
-                continue
-            if any(m in cmd for m in marks) and p.pid != os.getpid():
-                roots.append(p)
-        procs = {}
-        for r in roots:
-            try:
-                procs.update({c.pid: c for c in [r, *r.children(recursive=True)]})
-            except psutil.NoSuchProcess:
-                continue
-        for p in procs.values():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(procs.values()), timeout=10)
-        return len(procs)
+        return _kill_tree((f"{node_tmp}/session_", f"--temp-dir={node_tmp}", f"--temp-dir {node_tmp}"))
 
     def close(self) -> None:
-        # SIGKILL, nodes then head: a test's cluster is thrown away, nothing in it needs a clean shutdown
-        # (`ray_cluster.sh stop` sends SIGTERM and waits up to 10 s for processes that ignore it)
-        for node_tmp in [*self.nodes, self.head_tmp]:
-            self.stop_node(node_tmp)
-        subprocess.run(
-            [str(REPO / "scripts" / "ray_cluster.sh"), "stop"],
-            cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        # SIGKILL, the nodes and the head at once (a test's cluster is thrown away, nothing in it needs
+        # a clean shutdown): the processes naming a temp dir of the cluster or the head's port, as
+        # `ray_cluster.sh stop` finds them, and their children
+        marks = [f":{self.head_port}"]
+        for tmp in [*self.nodes, self.head_tmp]:
+            marks += [f"{tmp}/session_", f"--temp-dir={tmp}", f"--temp-dir {tmp}"]
+        _kill_tree(tuple(marks))
         for folder in [self.head_tmp, *self.nodes]:
             shutil.rmtree(folder, ignore_errors=True)
 
