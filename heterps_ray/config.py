@@ -36,6 +36,11 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 OBJECT_STORE_GB = 1.0
 DRIVER_GB = 1.5
 ACTOR_RESERVE_GB = 0.5
+# libgomp's spin, in iterations (~100,000 a ms), for a type whose OpenMP threads spin: long enough to
+# span any gap between a training loop's parallel regions, short enough that an idle actor's threads
+# go to sleep. Without it ACTIVE spins for minutes (30 billion): an idle warm actor of 2 threads burnt
+# a core, taking it from the run or probe on another type (BENCHMARKS.md "Idle actors spun").
+ACTIVE_SPIN_COUNT = 10_000_000
 
 
 def machine_memory_gb() -> float:
@@ -111,12 +116,13 @@ class ResourceType(BaseModel):
 
         resources = {k: v for k, v in self.ray_resources.items() if k not in ("CPU", "GPU")}
         resources[self.name] = 1.0
+        spin = {"GOMP_SPINCOUNT": str(ACTIVE_SPIN_COUNT)} if self.wait_policy == "active" else {}
         return {
             "num_cpus": self.ray_resources.get("CPU", 0.0),
             "num_gpus": self.num_gpus,
             "resources": resources,
             # merged with the job's runtime_env by Ray (env_vars add up)
-            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.wait_policy.upper(), **actor_env()}},
+            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.wait_policy.upper(), **spin, **actor_env()}},
         }
 
 

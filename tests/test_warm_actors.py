@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import ray
 import yaml
-from helpers import TINY_MODEL, tiny_sync_job
+from helpers import TINY_MODEL, local_job, tiny_sync_job
 
 from heterps_ray.cli import main
 from heterps_ray.closedloop import REPORT_FILE
@@ -187,3 +187,35 @@ def test_a_replan_onto_a_type_already_up_reconfigures_its_actor_and_reports_its_
     assert 0 <= restart["replan_s"] <= restart["ready_s"] < restart["first_batch_s"], restart
     assert f"re-plan: first batch {restart['first_batch_s']:.1f} s after the decision" in printed.out
     assert f"re-plans    first batch {restart['first_batch_s']:.1f} s after the decision" in printed.out
+
+
+def test_an_idle_actor_whose_threads_spin_gives_its_core_back(ray_local, dataset, tmp_path):
+    """A sync job's actors spin between parallel regions (omp_wait_policy auto: active), but a warm
+    actor left idle must not keep a core: a cpu_big actor spinning after its last work took a core from
+    the probe or run on another type (BENCHMARKS.md "Idle actors spun")."""
+    import time
+
+    import psutil
+
+    from heterps_ray.config import ModelConfig
+    from heterps_ray.models import build_model
+
+    # sync, one micro-batch a batch: the job's types spin
+    job = local_job("spin", TINY_MODEL, dataset, tmp_path, runtime={"micro_batches": 1})
+    rtype = job.cluster.type("cpu_big")
+    assert rtype.wait_policy == "active" and rtype.torch_threads == 2
+    model = {"name": "ctr_dnn", "embedding_dim": 9, "hidden": [512, 256]}  # matmuls that use both threads
+    whole = build_model(ModelConfig(**model)).num_layers
+    hosts = WarmHosts()
+    group = hosts.start(rtype, 1)
+    try:
+        (info,) = start_profiling(group, rtype, model, 0, 120.0)
+        ray.get(group[0].time_layers.remote([(whole, 1024)] * 20, 1, 0))
+        process = psutil.Process(info["pid"])
+        time.sleep(0.5)  # past the spin that bridges a training loop's gaps (config.ACTIVE_SPIN_COUNT)
+        before, started = sum(process.cpu_times()[:2]), time.monotonic()
+        time.sleep(1.0)
+        cores = (sum(process.cpu_times()[:2]) - before) / (time.monotonic() - started)
+    finally:
+        hosts.release(rtype, group, reuse=False)
+    assert cores < 0.3, f"an idle cpu_big actor used {cores:.2f} cores"
