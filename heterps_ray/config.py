@@ -325,7 +325,7 @@ class RuntimeConfig(BaseModel):
         "changed and the keys removed since the checkpoint before (1: every checkpoint is full)",
     )
     checkpoint_delta_max_share: float = Field(
-        0.125,
+        0.1,
         gt=0,
         le=1,
         description="a checkpoint between full ones is written full anyway when more than this share of a "

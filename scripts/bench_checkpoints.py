@@ -248,7 +248,8 @@ def main() -> None:
             )
         print(
             f"restore (alternating, median of 3): full {statistics.median(inc['restore_full_s']):.2f} s, "
-            f"chain full+1%+10% {statistics.median(inc['restore_chain_s']):.2f} s"
+            f"chain {'+'.join(snap['name'] for snap in inc['snapshots'])} "
+            f"{statistics.median(inc['restore_chain_s']):.2f} s"
         )
     results["load_after"] = os.getloadavg()[0]
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,9 @@ def main() -> None:
         "--checkpoint-interval-s", type=float, help="runtime.checkpoint_interval_s of the job"
     )
     parser.add_argument("--train-steps", type=int, help="runtime.train_steps of the job (a shorter run)")
+    parser.add_argument(
+        "--ps-hosting", choices=["auto", "actors"], help="runtime.ps_hosting (actors: the table apart)"
+    )
     parser.add_argument("--trace", type=Path, help="folder for each run's RSS samples, by process (JSON)")
     parser.add_argument("--result", type=Path, help="JSON file for the rows")
     args = parser.parse_args()
@@ -203,6 +206,8 @@ def main() -> None:
                 runtime["checkpoint_interval_s"] = args.checkpoint_interval_s
             if args.train_steps:
                 runtime["train_steps"] = args.train_steps
+            if args.ps_hosting:
+                runtime["ps_hosting"] = args.ps_hosting
             job = write_job(workdir, args.data, setting, SETTINGS[setting], args.table_memory_gb, runtime)
             trace = None
             if args.trace:

@@ -230,10 +230,13 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
 
 
 def test_a_checkpoint_most_of_whose_rows_changed_is_written_full(ray_local, dataset, tmp_path):
-    """With the default ``checkpoint_delta_max_share`` (1/8), a checkpoint due as a delta whose shards
+    """With the default ``checkpoint_delta_max_share`` (10%), a checkpoint due as a delta whose shards
     changed more than that share of their rows (a tiny run changes most) is a full one."""
+    from heterps_ray.config import RuntimeConfig
+
     run = tmp_path / "shares"
-    job = _job(dataset, run, full_every=3, keep=3, delta_max_share=0.125)
+    default = RuntimeConfig.model_fields["checkpoint_delta_max_share"].default
+    job = _job(dataset, run, full_every=3, keep=3, delta_max_share=default)
     train(job, load_plan(_one_stage_plan(tmp_path)), steps=6, progress=False)
     kinds = [_manifest(_step(run, s))["kind"] for s in (2, 4, 6)]
     assert kinds == ["full", "full", "full"]

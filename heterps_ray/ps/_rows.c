@@ -873,10 +873,13 @@ static PyObject *Rows_export(Rows *t, PyObject *args) {
 }
 
 /* export_from(which, cursor, keys int64[m], weights float32[m, dim] | None, acc float32[m, w] | None,
- *             meta uint32[m, 2] | None) -> (rows written, next cursor): up to m live rows in index
- * order from index slot `cursor` on (start at 0; the store is done when the cursor is its slot
- * count). Each call walks the same order while the store is unchanged, so a snapshot can stream
- * one field at a time in chunks instead of copying the whole table at once. */
+ *             meta uint32[m, 2] | None) -> (rows written, next cursor): up to m live rows in row order
+ * from row number `cursor` on (start at 0; the store is done when the rows written add up to its
+ * live count). Each call walks the same order while the store is unchanged, so a snapshot can stream
+ * one field at a time in chunks instead of copying the whole table at once. Row order, not index
+ * order: it walks memory in sequence, and it is the order rows were made in, which is random to the
+ * hash, so a restore inserting rows in it probes no longer than in any order (index order into a
+ * smaller index would pile keys into long runs). */
 static PyObject *Rows_export_from(Rows *t, PyObject *args) {
     int which;
     unsigned long long cursor;
@@ -895,20 +898,22 @@ static PyObject *Rows_export_from(Rows *t, PyObject *args) {
         ok = 0;
     }
     int64_t j = 0;
-    uint64_t i = cursor;
+    uint64_t r64 = cursor;
     if (ok) {
-        for (; i < s->cap && j < m; i++) {
-            uint32_t v = s->slots[i];
-            if (!v) continue;
-            uint32_t r = v - 1;
+        for (; r64 < s->top && j < m; r64++) {
+            uint32_t r = (uint32_t)r64;
+            if (s->track) {
+                if (!row_meta(s, r)[0]) continue; /* count 0: a free row */
+            } else if (s->nfree) {                /* untracked: a free row is one the index does not point to */
+                uint32_t found;
+                store_find(s, row_key(s, r), &found);
+                if (found != r) continue;
+            }
             ((int64_t *)kb.buf)[j] = row_key(s, r);
             if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
             if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
             if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
             j++;
-        }
-        if (i < s->cap && j == m) { /* skip empty slots so that the last chunk ends at the cap */
-            while (i < s->cap && !s->slots[i]) i++;
         }
     }
     PyBuffer_Release(&kb);
@@ -916,7 +921,7 @@ static PyObject *Rows_export_from(Rows *t, PyObject *args) {
     if (ab.obj) PyBuffer_Release(&ab);
     if (mb.obj) PyBuffer_Release(&mb);
     if (!ok) return NULL;
-    return Py_BuildValue("(LK)", (long long)j, (unsigned long long)(i > s->cap ? s->cap : i));
+    return Py_BuildValue("(LK)", (long long)j, (unsigned long long)r64);
 }
 
 /* load(which, keys int64[n], weights | None, acc | None, meta uint32[n, 2] | None): replace the

@@ -429,9 +429,7 @@ class PSShard(Reusable):
             if first:
                 table.load_snapshot(npz, prefix)
             else:
-                table.apply_changes(
-                    {k[len(prefix) :]: npz.array(k) for k in npz.names if k.startswith(prefix)}
-                )
+                table.apply_snapshot_changes(npz, prefix)
         self._load_rest(small)
 
 

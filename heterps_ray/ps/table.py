@@ -52,7 +52,8 @@ Changes (incremental checkpoints): from a table's first snapshot or restore on, 
 a dirty bit per row and a log of removed keys. :meth:`snapshot_state` takes them (a full state, or
 with ``delta=True`` only the rows written and the keys removed since the last durable snapshot);
 :meth:`snapshot_durable` forgets them once the checkpoint is committed, so a snapshot that is never
-committed leaves its rows to the next one. :meth:`apply_changes` replays a delta onto a table.
+committed leaves its rows to the next one. :meth:`apply_snapshot_changes` replays a delta file onto a
+table.
 
 Example::
 
@@ -287,7 +288,7 @@ class SparseTable:
     def snapshot_members(self, delta: bool = False) -> list[Member]:
         """What :meth:`snapshot_state` holds, as the members of a streamed .npz: a full snapshot's
         fields are read from the row store in chunks while the file is written, so writing one needs
-        no copy of the table (rows in the store's index order, not sorted by key); a delta's are
+        no copy of the table (rows in the store's row order, not sorted by key); a delta's are
         its changes (bounded by the caller: a delta of most rows is written full). The changes are
         taken now; the table must not change until the members are written."""
         if not self._rows.info()["recording"]:
@@ -327,7 +328,7 @@ class SparseTable:
         ]
 
     def _chunks(self, which: int, field: str, n: int) -> Iterator[np.ndarray]:
-        """One field of a store's `n` live rows, chunk by chunk, in index order (export_from)."""
+        """One field of a store's `n` live rows, chunk by chunk, in row order (export_from)."""
         size = min(n, SNAPSHOT_CHUNK_ROWS)
         keys = np.empty(size, dtype=np.int64)
         buffers: dict[str, Any] = {"weights": None, "accumulators": None, "meta": None}
@@ -391,7 +392,7 @@ class SparseTable:
         if meta is not None:
             out["counts"], out["last_seen"] = meta[:n, 0], meta[:n, 1]
         # a key removed and then back is in `keys`; removed twice, it is listed once
-        out["removed_keys"] = np.setdiff1d(gone, out["keys"])
+        out["removed_keys"] = np.setdiff1d(gone, out["keys"]) if len(gone) else gone
         return out
 
     def snapshot_durable(self) -> None:
@@ -399,33 +400,19 @@ class SparseTable:
         if self._rows.info()["recording"]:
             self._rows.track_changes(2)
 
-    def apply_changes(self, delta: dict[str, Any]) -> None:
-        """Replay a ``snapshot_state(delta=True)`` onto this table (which holds the state it was
-        relative to); then what it holds is the base of the next delta."""
-        n = len(delta["keys"])
-        meta = None
-        if self.tracked and "counts" in delta:
-            meta = np.ascontiguousarray(
-                np.stack([delta["counts"], delta["last_seen"]], axis=1), dtype=np.uint32
-            )
-        if "step" in delta:
-            self._step = int(delta["step"])
+    def apply_snapshot_changes(self, npz: NpzReader, prefix: str) -> None:
+        """Replay a delta snapshot file's members named `prefix` + field (``snapshot_state(delta=True)``)
+        onto this table, which holds the state it was relative to: the removed keys go, then the rows
+        are set chunk by chunk; then what the table holds is the base of the next delta."""
+        if prefix + "step" in npz.names:
+            self._step = int(npz.array(prefix + "step"))
             self._rows.set_clock(self._step)
-        self._rows.apply(
-            0,
-            np.ascontiguousarray(delta["keys"], dtype=np.int64),
-            np.ascontiguousarray(delta["weights"], dtype=np.float32).reshape(n, self.dim),
-            np.ascontiguousarray(delta["accumulators"], dtype=np.float32).reshape(n, self._acc_width),
-            meta,
-            np.ascontiguousarray(delta["removed_keys"], dtype=np.int64),
-        )
-        if self.admit_after > 1 and "candidate_keys" in delta:
-            ckeys = np.ascontiguousarray(delta["candidate_keys"], dtype=np.int64)
-            cmeta = np.ascontiguousarray(
-                np.stack([delta["candidate_counts"], delta["candidate_last_seen"]], axis=1), dtype=np.uint32
-            ).reshape(len(ckeys), 2)
-            removed = np.ascontiguousarray(delta["candidate_removed_keys"], dtype=np.int64)
-            self._rows.apply(1, ckeys, None, None, cmeta, removed)
+        counted = self.tracked and prefix + "counts" in npz.names
+        fields = ["keys", "weights", "accumulators"] + (["counts", "last_seen"] if counted else [])
+        self._load_chunks(0, npz, prefix, fields, removed=npz.array(prefix + "removed_keys"))
+        if self.admit_after > 1 and prefix + "candidate_keys" in npz.names:
+            names = ["candidate_keys", "candidate_counts", "candidate_last_seen"]
+            self._load_chunks(1, npz, prefix, names, removed=npz.array(prefix + "candidate_removed_keys"))
         self._rows.track_changes(0)
 
     def load_snapshot(self, npz: NpzReader, prefix: str) -> None:
@@ -447,17 +434,23 @@ class SparseTable:
             self._load_chunks(1, npz, prefix, names)
         self._rows.track_changes(0)  # a restored state is the base of the next delta
 
-    def _load_chunks(self, which: int, npz: NpzReader, prefix: str, fields: list[str]) -> None:
-        """Empty store `which`, then add the rows of `fields` (keys first) chunk by chunk."""
+    def _load_chunks(
+        self, which: int, npz: NpzReader, prefix: str, fields: list[str], removed: np.ndarray | None = None
+    ) -> None:
+        """Empty store `which` (or, for a delta, drop its `removed` keys), then set the rows of
+        `fields` (keys first) chunk by chunk."""
         rows = which == 0
         empty = np.zeros(0, dtype=np.int64)
-        self._rows.load(
-            which,
-            empty,
-            np.zeros((0, self.dim), np.float32) if rows else None,
-            np.zeros((0, self._acc_width), np.float32) if rows else None,
-            None,
-        )
+        if removed is None:
+            self._rows.load(
+                which,
+                empty,
+                np.zeros((0, self.dim), np.float32) if rows else None,
+                np.zeros((0, self._acc_width), np.float32) if rows else None,
+                None,
+            )
+        else:
+            self._rows.apply(which, empty, None, None, None, np.ascontiguousarray(removed, dtype=np.int64))
         if not fields:
             return
         streams = [npz.chunks(prefix + f, SNAPSHOT_CHUNK_ROWS) for f in fields]
