@@ -67,6 +67,13 @@ def save_checkpoint(
     for table, count in sparse_shards.items():
         files[table] = [f"sparse/{table}-shard-{i:05d}-of-{count:05d}.npz" for i in range(count)]
         rows[table] = sum(write_sparse(table, [tmp / name for name in files[table]]))
+        for name in files[table]:
+            if not (tmp / name).is_file():  # written by a shard on a node whose disk is not this one
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise DataError(
+                    f"{directory / name}: a PS shard wrote its rows where this driver cannot see them "
+                    "(output_dir must be on storage every node mounts at the same path)"
+                )
     meta = {
         "model": model_config.model_dump(),
         "layers": [layer.name for layer in model.layers],

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from heterps_ray.errors import ConfigError, DataError
-from heterps_ray.ps.atomic import read_npz, write_npz_atomic
+from heterps_ray.ps.atomic import NpzReader, read_npz, write_npz_atomic
 from heterps_ray.ps.shard import PSShard, reshard_states
 from heterps_ray.runtime.actors import READY_TIMEOUT_S, ActorSet
 from heterps_ray.runtime.checkpoint import (
@@ -263,7 +263,8 @@ def layer_states(source: Path) -> dict[str, dict[str, np.ndarray]]:
                 name, field_name = key[len("optim/") :].rsplit("/", 1)
                 out.setdefault(name, {})[field_name] = value
     for path in sorted(source.glob("ps-shard-*.npz")):
-        state = read_npz(path)
+        with NpzReader(path) as npz:  # the dense tables only: not the shard's rows
+            state = {k: npz.array(k) for k in npz.names if k.startswith("dense/")}
         for key, value in state.items():
             parts = key.split("/", 3)
             if parts[0] != "dense" or len(parts) != 4:
