@@ -330,6 +330,14 @@ class RuntimeConfig(BaseModel):
         description="every Nth checkpoint writes the PS tables whole; the ones between write only the rows "
         "changed and the keys removed since the checkpoint before (1: every checkpoint is full)",
     )
+    checkpoint_delta_max_share: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="a checkpoint between full ones is written full anyway when more than this share of a "
+        "PS shard's rows changed since the last: such a delta is nearly as big and slower to gather, and "
+        "its rows are held in memory while it is written (a full snapshot streams from the table)",
+    )
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
     )

@@ -100,7 +100,14 @@ def _table_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
     }
 
 
-def _incremental_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _incremental_part(rows: int, dim: int, work: Path, shares: list[float]) -> dict[str, Any]:
     from heterps_ray.ps.shard import PSShard, TableSpec
 
     spec = {"embedding": TableSpec(dim=dim)}
@@ -114,16 +121,25 @@ def _incremental_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
 
     def snapshot(shard: PSShard, name: str, delta: bool) -> str:
         path = work / f"{name}.npz"
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: what writing it adds at its peak
+        rss = _status_bytes("VmRSS")
         t0 = time.perf_counter()
         report = shard.snapshot(str(path), delta=delta)
         seconds = time.perf_counter() - t0
+        added = _status_bytes("VmHWM") - rss
         shard.snapshot_durable()  # the checkpoint committed: the next delta is relative to it
-        out["snapshots"].append({"name": name, "seconds": seconds, "bytes": report["bytes"]})
-        print(f"{name}: {report['bytes'] / 1e6:,.1f} MB in {seconds:.3f} s", flush=True)
+        out["snapshots"].append(
+            {"name": name, "seconds": seconds, "bytes": report["bytes"], "peak_added": added}
+        )
+        print(
+            f"{name}: {report['bytes'] / 1e6:,.1f} MB in {seconds:.3f} s, "
+            f"peak +{added / 1e6:,.1f} MB over the process",
+            flush=True,
+        )
         return str(path)
 
     chain = [snapshot(shard, "full", False)]
-    for share in (0.01, 0.10):
+    for share in shares:
         touched = rng.choice(keys, size=int(share * rows), replace=False)
         for start in range(0, len(touched), batch):  # a training step's pull and push
             part = touched[start : start + batch]
@@ -160,6 +176,9 @@ def main() -> None:
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--incremental-rows", type=int, default=0)
     parser.add_argument("--incremental-dim", type=int, default=16)
+    parser.add_argument(
+        "--incremental-shares", default="0.01,0.10", help="rows touched before each delta (a chain)"
+    )
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "checkpoints.json")
     args = parser.parse_args()
 
@@ -212,7 +231,12 @@ def main() -> None:
             f"interval a checkpoint stalls training {stall:.1%}"
         )
     if args.incremental_rows:
-        inc = _incremental_part(args.incremental_rows, args.incremental_dim, work)
+        inc = _incremental_part(
+            args.incremental_rows,
+            args.incremental_dim,
+            work,
+            [float(x) for x in args.incremental_shares.split(",")],
+        )
         results["incremental"] = inc
         full = inc["snapshots"][0]
         print("\n| snapshot | bytes | seconds | size vs full | time vs full |")
@@ -224,7 +248,8 @@ def main() -> None:
             )
         print(
             f"restore (alternating, median of 3): full {statistics.median(inc['restore_full_s']):.2f} s, "
-            f"chain full+1%+10% {statistics.median(inc['restore_chain_s']):.2f} s"
+            f"chain {'+'.join(snap['name'] for snap in inc['snapshots'])} "
+            f"{statistics.median(inc['restore_chain_s']):.2f} s"
         )
     results["load_after"] = os.getloadavg()[0]
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ class PeakMemory:
         self.root = psutil.Process(pid)
         self.every_s = every_s
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.trace: list[tuple[float, str, int]] = []  # (seconds, process, RSS) of processes over 200 MiB
+        self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -62,8 +64,20 @@ class PeakMemory:
                     name = " ".join(proc.cmdline()[:1]) if proc.pid == self.root.pid else proc.name()
                 except psutil.Error:
                     continue
+                name = "driver" if proc.pid == self.root.pid else name
                 if rss > self.peaks.get(proc.pid, ("", 0))[1]:
-                    self.peaks[proc.pid] = ("driver" if proc.pid == self.root.pid else name, rss)
+                    self.peaks[proc.pid] = (name, rss)
+                if rss > 200 * 2**20:
+                    self.trace.append((round(time.perf_counter() - self._t0, 1), f"{name}:{proc.pid}", rss))
+
+    def by_call(self) -> dict[str, float]:
+        """Peak RSS (GiB) of each process name over 200 MiB: an actor's name says the call it is in
+        (``ray::DataWorker.run`` training, ``.on_shard`` a checkpoint or the model's rows, ...)."""
+        out: dict[str, float] = {}
+        for _, name, rss in self.trace:
+            key = name.rsplit(":", 1)[0]
+            out[key] = max(out.get(key, 0.0), round(rss / 2**30, 2))
+        return out
 
     def stop(self) -> list[dict[str, Any]]:
         """The processes above 200 MiB at their peak, largest first."""
@@ -76,7 +90,12 @@ class PeakMemory:
 
 
 def write_job(
-    workdir: Path, data: Path, name: str, table: dict[str, Any], table_memory_gb: float | None
+    workdir: Path,
+    data: Path,
+    name: str,
+    table: dict[str, Any],
+    table_memory_gb: float | None,
+    runtime: dict[str, Any] | None = None,
 ) -> Path:
     job = yaml.safe_load(JOB.read_text())
     cluster = yaml.safe_load(CLUSTER.read_text())
@@ -91,6 +110,7 @@ def write_job(
         output_dir=str(workdir / name),
         table=table,
     )
+    job["runtime"] = {**job.get("runtime", {}), **(runtime or {})}
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -109,7 +129,7 @@ def fifths(chunks: list[list[float]]) -> list[float]:
     return [round(s / t) if t else 0 for s, t in parts]
 
 
-def run(system: str, job: Path, plan: str) -> dict[str, Any]:
+def run(system: str, job: Path, plan: str, trace: Path | None = None) -> dict[str, Any]:
     command = [*HETERPS, "reference", str(job), "--no-progress"]
     if system != "reference":
         command = [*HETERPS, "train", str(job), "--plan", plan, "--overwrite", "--no-progress"]
@@ -120,6 +140,8 @@ def run(system: str, job: Path, plan: str) -> dict[str, Any]:
     code = proc.wait()
     wall = time.perf_counter() - start
     peaks = memory.stop()
+    if trace:
+        trace.write_text(json.dumps(memory.trace))
     if code:
         raise SystemExit(f"{' '.join(command)} exited {code}")
     config = yaml.safe_load(job.read_text())
@@ -129,6 +151,7 @@ def run(system: str, job: Path, plan: str) -> dict[str, Any]:
         "load_at_start": float(load),
         "wall_s": round(wall, 1),
         "memory": peaks,
+        "memory_by_call": memory.by_call(),
     }
     meta = json.loads((Path(config["data"]["path"]) / "_meta.json").read_text())
     row["achievable_auc"] = meta["achievable_auc"]
@@ -162,6 +185,14 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="alternate with the one-process loop")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--table-memory-gb", type=float, help="each type's table memory (a bigger table)")
+    parser.add_argument(
+        "--checkpoint-interval-s", type=float, help="runtime.checkpoint_interval_s of the job"
+    )
+    parser.add_argument("--train-steps", type=int, help="runtime.train_steps of the job (a shorter run)")
+    parser.add_argument(
+        "--ps-hosting", choices=["auto", "actors"], help="runtime.ps_hosting (actors: the table apart)"
+    )
+    parser.add_argument("--trace", type=Path, help="folder for each run's RSS samples, by process (JSON)")
     parser.add_argument("--result", type=Path, help="JSON file for the rows")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="criteo-epoch-"))
@@ -170,8 +201,19 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for system, setting in systems if r % 2 == 0 else systems[::-1]:
-            job = write_job(workdir, args.data, setting, SETTINGS[setting], args.table_memory_gb)
-            rows.append({"round": r + 1, "setting": setting, **run(system, job, args.plan)})
+            runtime: dict[str, Any] = {}
+            if args.checkpoint_interval_s is not None:
+                runtime["checkpoint_interval_s"] = args.checkpoint_interval_s
+            if args.train_steps:
+                runtime["train_steps"] = args.train_steps
+            if args.ps_hosting:
+                runtime["ps_hosting"] = args.ps_hosting
+            job = write_job(workdir, args.data, setting, SETTINGS[setting], args.table_memory_gb, runtime)
+            trace = None
+            if args.trace:
+                args.trace.mkdir(parents=True, exist_ok=True)
+                trace = args.trace / f"{r + 1}-{system.replace(':', '-')}.json"
+            rows.append({"round": r + 1, "setting": setting, **run(system, job, args.plan, trace)})
     if args.result:
         args.result.write_text(json.dumps(rows, indent=1))
 

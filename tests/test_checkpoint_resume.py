@@ -119,7 +119,15 @@ def _model_dir(directory: Path) -> Path:
         for keys in ([1, 3], [2])
     ]  # fmt: skip
     settings = {"lr": 0.05, "init_accumulator": 0.1, "init_scale": 0.01}
-    return save_checkpoint(directory, config, spec, 0, dense, {"embedding": shards}, settings)
+
+    def write_sparse(table, paths):
+        for path, state in zip(paths, shards, strict=True):
+            write_npz_atomic(path, state)
+        return [len(state["keys"]) for state in shards]
+
+    return save_checkpoint(
+        directory, config, spec, 0, dense, {"embedding": len(shards)}, write_sparse, settings
+    )
 
 
 def _name_in_model_json(model: Path, name: str) -> None:

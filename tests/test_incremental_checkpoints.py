@@ -112,11 +112,18 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def _job(
-    dataset: Path, output: Path, full_every: int, keep: int = 2, ps_shards: int | None = None, hosting="auto"
+    dataset: Path,
+    output: Path,
+    full_every: int,
+    keep: int = 2,
+    ps_shards: int | None = None,
+    hosting="auto",
+    delta_max_share: float = 1.0,  # a tiny run changes most rows between checkpoints: deltas all the same
 ):
     job = tiny_sync_job("incremental-test", dataset, output, EVERY)
     runtime = {
         "checkpoint_full_every": full_every,
+        "checkpoint_delta_max_share": delta_max_share,
         "checkpoint_keep": keep,
         "ps_shards": ps_shards,
         "ps_hosting": hosting,
@@ -177,10 +184,11 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     for i in range(2):
         shard = PSShard(i, 2, {"embedding": spec})
         shard.restore_chain([str(_step(run, s) / f"ps-shard-{i:05d}.npz") for s in (2, 4, 6)])
-        full = read_npz(_step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz")
+        full = PSShard(i, 2, {"embedding": spec})
+        full.restore(str(_step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz"))
         for name in ("keys", "weights", "accumulators"):
             np.testing.assert_array_equal(
-                shard.state()[f"sparse/embedding/{name}"], full[f"sparse/embedding/{name}"]
+                shard.state()[f"sparse/embedding/{name}"], full.state()[f"sparse/embedding/{name}"]
             )
         assert (_step(run, STOP) / f"ps-shard-{i:05d}.npz").stat().st_size < (
             _step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz"
@@ -219,6 +227,20 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
     np.testing.assert_allclose(rows_b["weights"], rows_a["weights"], rtol=0, atol=1e-6)
     # after a re-shard nothing of the old chain applies: the next checkpoint is full
     assert _manifest(_step(saved, STOP + EVERY))["kind"] == "full"
+
+
+def test_a_checkpoint_most_of_whose_rows_changed_is_written_full(ray_local, dataset, tmp_path):
+    """With the default ``checkpoint_delta_max_share`` (10%), a checkpoint due as a delta whose shards
+    changed more than that share of their rows (a tiny run changes most) is a full one."""
+    from heterps_ray.config import RuntimeConfig
+
+    run = tmp_path / "shares"
+    default = RuntimeConfig.model_fields["checkpoint_delta_max_share"].default
+    job = _job(dataset, run, full_every=3, keep=3, delta_max_share=default)
+    train(job, load_plan(_one_stage_plan(tmp_path)), steps=6, progress=False)
+    kinds = [_manifest(_step(run, s))["kind"] for s in (2, 4, 6)]
+    assert kinds == ["full", "full", "full"]
+    assert all(not _manifest(_step(run, s))["chain"] for s in (2, 4, 6))
 
 
 def _fake_chain(root: Path, steps: list[int]) -> None:

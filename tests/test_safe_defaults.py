@@ -213,9 +213,17 @@ def test_model_checkpoint_with_a_pickled_dense_file_is_refused(tmp_path):
         for k, v in net.state_dict().items()
     }
     empty = {"keys": np.zeros(0, np.int64), "weights": np.zeros((0, 4), np.float32)}
-    sparse = {"embedding": [{**empty, "accumulators": np.zeros((0, 4), np.float32)}]}
+    empty["accumulators"] = np.zeros((0, 4), np.float32)
+
+    def write_sparse(table, paths):
+        for path in paths:
+            write_npz_atomic(path, empty)
+        return [0 for _ in paths]
+
     settings = {"lr": 0.05, "init_accumulator": 0.1, "init_scale": 0.01}
-    model = save_checkpoint(tmp_path / "model", config, spec, 0, dense, sparse, settings)
+    model = save_checkpoint(
+        tmp_path / "model", config, spec, 0, dense, {"embedding": 1}, write_sparse, settings
+    )
     load_checkpoint(model)  # the honest file loads
 
     mark = tmp_path / "ran"

@@ -872,6 +872,58 @@ static PyObject *Rows_export(Rows *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* export_from(which, cursor, keys int64[m], weights float32[m, dim] | None, acc float32[m, w] | None,
+ *             meta uint32[m, 2] | None) -> (rows written, next cursor): up to m live rows in row order
+ * from row number `cursor` on (start at 0; the store is done when the rows written add up to its
+ * live count). Each call walks the same order while the store is unchanged, so a snapshot can stream
+ * one field at a time in chunks instead of copying the whole table at once. Row order, not index
+ * order: it walks memory in sequence, and it is the order rows were made in, which is random to the
+ * hash, so a restore inserting rows in it probes no longer than in any order (index order into a
+ * smaller index would pile keys into long runs). */
+static PyObject *Rows_export_from(Rows *t, PyObject *args) {
+    int which;
+    unsigned long long cursor;
+    PyObject *ko, *wo, *ao, *mo;
+    if (!PyArg_ParseTuple(args, "iKOOOO", &which, &cursor, &ko, &wo, &ao, &mo)) return NULL;
+    store_t *s = which ? &t->cand : &t->rows;
+    Py_buffer kb, wb = {0}, ab = {0}, mb = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    int64_t m = kb.len / 8;
+    int ok = 1;
+    if (wo != Py_None && get_buf(wo, &wb, 1, 4 * (Py_ssize_t)s->dim, m, "weights") < 0) ok = 0;
+    if (ok && ao != Py_None && get_buf(ao, &ab, 1, 4 * (Py_ssize_t)s->acc_w, m, "accumulators") < 0) ok = 0;
+    if (ok && mo != Py_None && get_buf(mo, &mb, 1, 8, m, "meta") < 0) ok = 0;
+    if (ok && mo != Py_None && !s->track) {
+        PyErr_SetString(PyExc_ValueError, "this table keeps no counters");
+        ok = 0;
+    }
+    int64_t j = 0;
+    uint64_t r64 = cursor;
+    if (ok) {
+        for (; r64 < s->top && j < m; r64++) {
+            uint32_t r = (uint32_t)r64;
+            if (s->track) {
+                if (!row_meta(s, r)[0]) continue; /* count 0: a free row */
+            } else if (s->nfree) {                /* untracked: a free row is one the index does not point to */
+                uint32_t found;
+                store_find(s, row_key(s, r), &found);
+                if (found != r) continue;
+            }
+            ((int64_t *)kb.buf)[j] = row_key(s, r);
+            if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
+            if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
+            if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
+            j++;
+        }
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (mb.obj) PyBuffer_Release(&mb);
+    if (!ok) return NULL;
+    return Py_BuildValue("(LK)", (long long)j, (unsigned long long)r64);
+}
+
 /* load(which, keys int64[n], weights | None, acc | None, meta uint32[n, 2] | None): replace the
  * store's contents; raises ValueError on a repeated key */
 static PyObject *Rows_load(Rows *t, PyObject *args) {
@@ -1290,6 +1342,8 @@ static PyMethodDef Rows_methods[] = {
     {"pull", (PyCFunction)Rows_pull, METH_VARARGS, "pull(keys, out, unique, create, step)"},
     {"push", (PyCFunction)Rows_push, METH_VARARGS, "push(keys, grads, unique) -> keys applied"},
     {"export", (PyCFunction)Rows_export, METH_VARARGS, "export(which, keys, weights, acc, meta)"},
+    {"export_from", (PyCFunction)Rows_export_from, METH_VARARGS,
+     "export_from(which, cursor, keys, weights, acc, meta) -> (rows written, next cursor)"},
     {"load", (PyCFunction)Rows_load, METH_VARARGS, "load(which, keys, weights, acc, meta)"},
     {"expire", (PyCFunction)Rows_expire, METH_NOARGS, "drop expired rows -> count"},
     {"info", (PyCFunction)Rows_info, METH_NOARGS, "sizes and counters"},

@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ import ray
 
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.errors import DataError
-from heterps_ray.ps.atomic import npz_bytes, read_npz, write_bytes_atomic
+from heterps_ray.ps.atomic import Member, NpzReader, write_npz_streamed
 from heterps_ray.ps.table import SparseTable, max_rows_for, splitmix64, sum_rows
 from heterps_ray.reusable import Reusable
 
@@ -326,18 +325,14 @@ class PSShard(Reusable):
             if k.startswith("applied/")
         }
 
-    def _state(self, snapshot: bool = False, delta: bool = False) -> dict[str, np.ndarray]:
-        """:meth:`state`; with `snapshot` what a checkpoint writes, which takes the tables' changes
-        (:meth:`SparseTable.snapshot_state`): with `delta` only the sparse rows changed since the last
-        durable snapshot (dense tables and applied counts are small: whole in every snapshot)."""
+    def _state(self) -> dict[str, np.ndarray]:
+        """:meth:`state` (a checkpoint writes the same through :meth:`_snapshot_members`)."""
         out: dict[str, np.ndarray] = {
             "shard/index": np.array(self.index, dtype=np.int64),
             "shard/num_shards": np.array(self.num_shards, dtype=np.int64),
         }
-        if delta:
-            out["shard/delta"] = np.array(1, dtype=np.int64)
         for name, table in self._tables.items():
-            for k, v in (table.snapshot_state(delta) if snapshot else table.state()).items():
+            for k, v in table.state().items():
                 out[f"sparse/{name}/{k}"] = v
         for name, dense in self._dense.items():
             out.update(dense.state(f"dense/{name}"))
@@ -352,17 +347,54 @@ class PSShard(Reusable):
         driver cannot hash a file on another node's disk; the manifest lists these). The changes stay
         pending until :meth:`snapshot_durable`."""
         self.faults.reached("checkpoint")
-        data = npz_bytes(path, self._state(snapshot=True, delta=delta))
-        write_bytes_atomic(path, data)
+        digest, size = write_npz_streamed(path, self._snapshot_members(delta))
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
             "file": Path(path).name,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
+            "sha256": digest,
+            "bytes": size,
             "node": node,
             "host": socket.gethostname(),
             "kind": "delta" if delta else "full",
         }
+
+    def _snapshot_members(self, delta: bool) -> list[Member]:
+        """:meth:`_state` with `snapshot` as streamed .npz members (the tables' rows read in chunks
+        while the file is written: no copy of the table in memory)."""
+        out = [
+            Member.of("shard/index", np.array(self.index, dtype=np.int64)),
+            Member.of("shard/num_shards", np.array(self.num_shards, dtype=np.int64)),
+        ]
+        if delta:
+            out.append(Member.of("shard/delta", np.array(1, dtype=np.int64)))
+        for name, table in self._tables.items():
+            for member in table.snapshot_members(delta):
+                member.name = f"sparse/{name}/{member.name}"
+                out.append(member)
+        for name, dense in self._dense.items():
+            out += [Member.of(k, v) for k, v in dense.state(f"dense/{name}").items()]
+        out += [Member.of(f"applied/{worker}", counts) for worker, counts in self._applied.items()]
+        return out
+
+    def pending_share(self) -> float:
+        """The largest share of a table's rows a delta snapshot now would hold (1.0 when none is
+        possible yet: a full snapshot is due)."""
+        share = 0.0
+        for table in self._tables.values():
+            pending = table.pending_changes()
+            if pending is None:
+                return 1.0
+            share = max(share, pending[0] / max(pending[1], 1))
+        return share
+
+    def write_rows(self, path: str, table: str) -> dict[str, Any]:
+        """The final model's file of this shard's rows of `table` (keys, weights, accumulators, in
+        the row store's order), streamed as :meth:`snapshot` does; returns its rows and SHA-256."""
+        members = [
+            m for m in self._tables[table].row_members() if m.name in ("keys", "weights", "accumulators")
+        ]
+        digest, size = write_npz_streamed(path, members)
+        return {"rows": len(self._tables[table]), "sha256": digest, "bytes": size}
 
     def snapshot_durable(self) -> None:
         """The checkpoint of the last :meth:`snapshot` is committed: the next delta is relative to it."""
@@ -378,25 +410,27 @@ class PSShard(Reusable):
         """Load a full :meth:`snapshot` and replay the delta snapshots after it, in order (a
         DataError naming the file that is truncated, corrupted, or not the link it should be)."""
         for i, path in enumerate(paths):
-            state = read_npz(path)
-            try:
-                if bool(int(state.get("shard/delta", 0))) != (i > 0):
-                    raise ValueError("a full snapshot first, then deltas" if i else "a full snapshot")
-                if i == 0:
-                    self.load_state(state)
-                else:
-                    self._apply_delta(state)
-            except (KeyError, ValueError) as exc:
-                raise DataError(
-                    f"{path}: not a snapshot of PS shard {self.index}/{self.num_shards} ({exc!r})"
-                ) from None
+            with NpzReader(path) as npz:
+                try:
+                    self._restore_link(npz, first=i == 0)
+                except (KeyError, ValueError) as exc:
+                    raise DataError(
+                        f"{path}: not a snapshot of PS shard {self.index}/{self.num_shards} ({exc!r})"
+                    ) from None
 
-    def _apply_delta(self, state: dict[str, np.ndarray]) -> None:
-        self._check_owner(state)
+    def _restore_link(self, npz: NpzReader, first: bool) -> None:
+        """One link of a chain: a full snapshot's rows streamed into the tables, or a delta applied."""
+        small = {k: npz.array(k) for k in npz.names if not k.startswith("sparse/")}
+        if bool(int(small.get("shard/delta", 0))) != (not first):
+            raise ValueError("a full snapshot first, then deltas" if not first else "a full snapshot")
+        self._check_owner(small)
         for name, table in self._tables.items():
             prefix = f"sparse/{name}/"
-            table.apply_changes({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
-        self._load_rest(state)
+            if first:
+                table.load_snapshot(npz, prefix)
+            else:
+                table.apply_snapshot_changes(npz, prefix)
+        self._load_rest(small)
 
 
 def reshard_states(states: list[dict[str, np.ndarray]], num_shards: int) -> list[dict[str, np.ndarray]]:

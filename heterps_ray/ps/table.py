@@ -52,7 +52,8 @@ Changes (incremental checkpoints): from a table's first snapshot or restore on, 
 a dirty bit per row and a log of removed keys. :meth:`snapshot_state` takes them (a full state, or
 with ``delta=True`` only the rows written and the keys removed since the last durable snapshot);
 :meth:`snapshot_durable` forgets them once the checkpoint is committed, so a snapshot that is never
-committed leaves its rows to the next one. :meth:`apply_changes` replays a delta onto a table.
+committed leaves its rows to the next one. :meth:`apply_snapshot_changes` replays a delta file onto a
+table.
 
 Example::
 
@@ -63,9 +64,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from heterps_ray.ps.atomic import Member, NpzReader
 
 try:
     from heterps_ray.ps._rows import Rows as _Rows
@@ -74,7 +78,7 @@ except ImportError as exc:  # pragma: no cover - a checkout whose extension was 
         "heterps_ray.ps._rows (the compiled row store) is not built: run `pip install -e .` "
         "(or `bash scripts/setup.sh`) in the repository; it needs a C compiler"
     ) from exc
-if not hasattr(_Rows, "track_changes"):  # pragma: no cover - built before incremental checkpoints
+if not hasattr(_Rows, "export_from"):  # pragma: no cover - built before streamed snapshots
     raise ImportError(
         "heterps_ray.ps._rows was built from an older _rows.c: rebuild it with `pip install -e .` "
         "(or `python setup.py build_ext --inplace`) in the repository"
@@ -87,6 +91,8 @@ EVICTION = ("lru", "lfu")
 # per slot (_rows.c). 136 B of payload + 13.3 = 149.3 B/row is what 10M fresh dim-16 keys measured.
 _INDEX_BYTES = (4 + 1) / 0.375
 _CANDIDATE_BYTES = 16  # key, count, last seen of a key waiting for admission
+# Rows per chunk of a streamed snapshot or restore: 1 MiB of dim-16 weights (a few such buffers are alive).
+SNAPSHOT_CHUNK_ROWS = 1 << 14
 
 # splitmix64 constants (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", 2014).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -270,6 +276,86 @@ class SparseTable:
             out["candidate_counts"], out["candidate_last_seen"] = cmeta[corder, 0], cmeta[corder, 1]
         return out
 
+    def pending_changes(self) -> tuple[int, int] | None:
+        """(rows a delta snapshot now would hold at most, rows held): takes the changes as
+        :meth:`snapshot_state` does (a later snapshot takes the same ones); None before the first
+        snapshot or restore (no delta is possible yet)."""
+        if not self._rows.info()["recording"]:
+            return None
+        rows = self._rows.track_changes(1)[0]
+        return int(rows), len(self._rows)
+
+    def snapshot_members(self, delta: bool = False) -> list[Member]:
+        """What :meth:`snapshot_state` holds, as the members of a streamed .npz: a full snapshot's
+        fields are read from the row store in chunks while the file is written, so writing one needs
+        no copy of the table (rows in the store's row order, not sorted by key); a delta's are
+        its changes (bounded by the caller: a delta of most rows is written full). The changes are
+        taken now; the table must not change until the members are written."""
+        if not self._rows.info()["recording"]:
+            if delta:
+                raise ValueError("a delta snapshot needs an earlier snapshot or restore to be relative to")
+            self._rows.track_changes(0)  # from now on: what the checkpoint below holds is the base
+        else:
+            self._rows.track_changes(1)
+        if delta:
+            state = self.snapshot_state(delta=True)
+            return [Member.of(k, v) for k, v in state.items()]
+        return self.row_members()
+
+    def row_members(self) -> list[Member]:
+        """The whole :meth:`state` (unsorted) as streamed .npz members, read from the row store in
+        chunks as they are written; change tracking is left as it is."""
+        members = self._store_members(0, "")
+        if self.tracked:
+            members.append(Member.of("step", np.array(self._step, dtype=np.int64)))
+        if self.admit_after > 1:
+            members += self._store_members(1, "candidate_")
+        return members
+
+    def _store_members(self, which: int, prefix: str) -> list[Member]:
+        rows = which == 0
+        n = int(self._rows.info()["rows" if rows else "candidates"])
+        fields: list[tuple[str, Any, tuple[int, ...]]] = [("keys", np.int64, (n,))]
+        if rows:
+            fields += [
+                ("weights", np.float32, (n, self.dim)),
+                ("accumulators", np.float32, (n, self._acc_width)),
+            ]
+        if self.tracked or not rows:
+            fields += [("counts", np.uint32, (n,)), ("last_seen", np.uint32, (n,))]
+        return [
+            Member(prefix + name, dtype, shape, self._chunks(which, name, n)) for name, dtype, shape in fields
+        ]
+
+    def _chunks(self, which: int, field: str, n: int) -> Iterator[np.ndarray]:
+        """One field of a store's `n` live rows, chunk by chunk, in row order (export_from)."""
+        size = min(n, SNAPSHOT_CHUNK_ROWS)
+        keys = np.empty(size, dtype=np.int64)
+        buffers: dict[str, Any] = {"weights": None, "accumulators": None, "meta": None}
+        if field == "weights":
+            buffers["weights"] = np.empty((size, self.dim), dtype=np.float32)
+        elif field == "accumulators":
+            buffers["accumulators"] = np.empty((size, self._acc_width), dtype=np.float32)
+        elif field in ("counts", "last_seen"):
+            buffers["meta"] = np.empty((size, 2), dtype=np.uint32)
+        cursor, done = 0, 0
+        while done < n:
+            got, cursor = self._rows.export_from(
+                which,
+                cursor,
+                keys[: min(size, n - done)],
+                *(None if b is None else b[: min(size, n - done)] for b in buffers.values()),
+            )
+            if got == 0:
+                raise RuntimeError(f"the row store changed while a snapshot was written ({done} of {n} rows)")
+            done += got
+            if field == "keys":
+                yield keys[:got]
+            elif field in ("weights", "accumulators"):
+                yield buffers[field][:got]
+            else:
+                yield buffers["meta"][:got, 0 if field == "counts" else 1]
+
     def snapshot_state(self, delta: bool = False) -> dict[str, np.ndarray]:
         """What a checkpoint writes of this table: :meth:`state`, or with `delta` the changes since
         the last durable snapshot or restore: the rows written (their whole :meth:`state` fields),
@@ -299,14 +385,14 @@ class SparseTable:
         meta = np.empty((bound, 2), dtype=np.uint32) if self.tracked or not rows else None
         gone = np.empty(removed, dtype=np.int64)
         n = self._rows.export_changes(which, keys, weights, accum, meta, gone)
-        order = np.argsort(keys[:n], kind="stable")
-        out: dict[str, np.ndarray] = {"keys": keys[:n][order]}
+        # in row order, not sorted: a sorted copy would double what a big delta holds in memory
+        out: dict[str, np.ndarray] = {"keys": keys[:n]}
         if weights is not None and accum is not None:
-            out["weights"], out["accumulators"] = weights[:n][order], accum[:n][order]
+            out["weights"], out["accumulators"] = weights[:n], accum[:n]
         if meta is not None:
-            out["counts"], out["last_seen"] = meta[:n, 0][order], meta[:n, 1][order]
+            out["counts"], out["last_seen"] = meta[:n, 0], meta[:n, 1]
         # a key removed and then back is in `keys`; removed twice, it is listed once
-        out["removed_keys"] = np.setdiff1d(gone, out["keys"])
+        out["removed_keys"] = np.setdiff1d(gone, out["keys"]) if len(gone) else gone
         return out
 
     def snapshot_durable(self) -> None:
@@ -314,34 +400,80 @@ class SparseTable:
         if self._rows.info()["recording"]:
             self._rows.track_changes(2)
 
-    def apply_changes(self, delta: dict[str, Any]) -> None:
-        """Replay a ``snapshot_state(delta=True)`` onto this table (which holds the state it was
-        relative to); then what it holds is the base of the next delta."""
-        n = len(delta["keys"])
-        meta = None
-        if self.tracked and "counts" in delta:
-            meta = np.ascontiguousarray(
-                np.stack([delta["counts"], delta["last_seen"]], axis=1), dtype=np.uint32
-            )
-        if "step" in delta:
-            self._step = int(delta["step"])
+    def apply_snapshot_changes(self, npz: NpzReader, prefix: str) -> None:
+        """Replay a delta snapshot file's members named `prefix` + field (``snapshot_state(delta=True)``)
+        onto this table, which holds the state it was relative to: the removed keys go, then the rows
+        are set chunk by chunk; then what the table holds is the base of the next delta."""
+        if prefix + "step" in npz.names:
+            self._step = int(npz.array(prefix + "step"))
             self._rows.set_clock(self._step)
-        self._rows.apply(
-            0,
-            np.ascontiguousarray(delta["keys"], dtype=np.int64),
-            np.ascontiguousarray(delta["weights"], dtype=np.float32).reshape(n, self.dim),
-            np.ascontiguousarray(delta["accumulators"], dtype=np.float32).reshape(n, self._acc_width),
-            meta,
-            np.ascontiguousarray(delta["removed_keys"], dtype=np.int64),
-        )
-        if self.admit_after > 1 and "candidate_keys" in delta:
-            ckeys = np.ascontiguousarray(delta["candidate_keys"], dtype=np.int64)
-            cmeta = np.ascontiguousarray(
-                np.stack([delta["candidate_counts"], delta["candidate_last_seen"]], axis=1), dtype=np.uint32
-            ).reshape(len(ckeys), 2)
-            removed = np.ascontiguousarray(delta["candidate_removed_keys"], dtype=np.int64)
-            self._rows.apply(1, ckeys, None, None, cmeta, removed)
+        counted = self.tracked and prefix + "counts" in npz.names
+        fields = ["keys", "weights", "accumulators"] + (["counts", "last_seen"] if counted else [])
+        self._load_chunks(0, npz, prefix, fields, removed=npz.array(prefix + "removed_keys"))
+        if self.admit_after > 1 and prefix + "candidate_keys" in npz.names:
+            names = ["candidate_keys", "candidate_counts", "candidate_last_seen"]
+            self._load_chunks(1, npz, prefix, names, removed=npz.array(prefix + "candidate_removed_keys"))
         self._rows.track_changes(0)
+
+    def load_snapshot(self, npz: NpzReader, prefix: str) -> None:
+        """:meth:`load_state` from a full snapshot file's members named `prefix` + field, read in
+        chunks into the row store (a restore holds no copy of the table beside it)."""
+        self._step = int(npz.array(prefix + "step")) if prefix + "step" in npz.names else 0
+        self._rows.set_clock(self._step)
+        acc = npz.shape(prefix + "accumulators")
+        if acc[1:] != (self._acc_width,):
+            raise ValueError(
+                f"state accumulators have shape {acc}; optimizer {self.optimizer!r} keeps {self._acc_width} per row"
+            )
+        counted = self.tracked and prefix + "counts" in npz.names
+        fields = ["keys", "weights", "accumulators"] + (["counts", "last_seen"] if counted else [])
+        self._load_chunks(0, npz, prefix, fields)
+        if self.admit_after > 1:
+            waiting = prefix + "candidate_keys" in npz.names
+            names = ["candidate_keys", "candidate_counts", "candidate_last_seen"] if waiting else []
+            self._load_chunks(1, npz, prefix, names)
+        self._rows.track_changes(0)  # a restored state is the base of the next delta
+
+    def _load_chunks(
+        self, which: int, npz: NpzReader, prefix: str, fields: list[str], removed: np.ndarray | None = None
+    ) -> None:
+        """Empty store `which` (or, for a delta, drop its `removed` keys), then set the rows of
+        `fields` (keys first) chunk by chunk."""
+        rows = which == 0
+        empty = np.zeros(0, dtype=np.int64)
+        if removed is None:
+            self._rows.load(
+                which,
+                empty,
+                np.zeros((0, self.dim), np.float32) if rows else None,
+                np.zeros((0, self._acc_width), np.float32) if rows else None,
+                None,
+            )
+        else:
+            self._rows.apply(which, empty, None, None, None, np.ascontiguousarray(removed, dtype=np.int64))
+        if not fields:
+            return
+        streams = [npz.chunks(prefix + f, SNAPSHOT_CHUNK_ROWS) for f in fields]
+        for parts in zip(*streams, strict=True):
+            part = dict(zip([f.removeprefix("candidate_") for f in fields], parts, strict=True))
+            n = len(part["keys"])
+            meta = None
+            if "counts" in part:
+                meta = np.ascontiguousarray(
+                    np.stack([part["counts"], part["last_seen"]], axis=1), dtype=np.uint32
+                )
+            self._rows.apply(
+                which,
+                np.ascontiguousarray(part["keys"], dtype=np.int64),
+                np.ascontiguousarray(part["weights"], dtype=np.float32).reshape(n, self.dim)
+                if rows
+                else None,
+                np.ascontiguousarray(part["accumulators"], dtype=np.float32).reshape(n, self._acc_width)
+                if rows
+                else None,
+                meta,
+                empty,
+            )
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the contents with a :meth:`state` (keys must be distinct). Counters missing from

@@ -6,8 +6,10 @@ Layout of ``<output_dir>/model/``::
     manifest.json                                SHA-256 of every file (verified on load)
     dense.npz                                    dense weights, named "<layer>.<param>" (whole-model names)
     sparse/embedding-shard-00000-of-00002.npz    keys int64[n], weights float32[n, dim], accumulators
+                                                 (written by the shard itself, in its table's order)
 
-Every .npz is written with ``np.savez`` of plain arrays and read with ``allow_pickle=False``; every
+Every .npz holds plain arrays (``np.savez``, or streamed member by member) and is read with
+``allow_pickle=False``; every
 file goes through a temporary file and a rename, and the directory is built aside and swapped in.
 
 Example::
@@ -23,6 +25,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,24 +50,30 @@ def save_checkpoint(
     model: ModelSpec,
     seed: int,
     dense: dict[str, np.ndarray],
-    sparse_shards: dict[str, list[dict[str, np.ndarray]]],
+    sparse_shards: dict[str, int],
+    write_sparse: Callable[[str, list[Path]], list[int]],
     table_settings: dict[str, Any],
 ) -> Path:
-    """Write the model to `directory`: built in a temporary directory, then swapped in by rename."""
+    """Write the model to `directory`: built in a temporary directory, then swapped in by rename.
+    `sparse_shards`: each sparse table's shard count; ``write_sparse(table, paths)`` writes each
+    shard's rows of `table` (keys, weights, accumulators) to its path and returns their row counts
+    (the shards write their own files, streamed: the table never passes through this process)."""
     directory = Path(directory)
     tmp = _fresh_tmp_dir(directory)
     (tmp / "sparse").mkdir()
     write_npz_atomic(tmp / "dense.npz", dense)
     files: dict[str, list[str]] = {}
     rows: dict[str, int] = {}
-    for table, shards in sparse_shards.items():
-        files[table] = []
-        rows[table] = 0
-        for i, state in enumerate(shards):
-            name = f"{table}-shard-{i:05d}-of-{len(shards):05d}.npz"
-            write_npz_atomic(tmp / "sparse" / name, state)
-            files[table].append(f"sparse/{name}")
-            rows[table] += len(state["keys"])
+    for table, count in sparse_shards.items():
+        files[table] = [f"sparse/{table}-shard-{i:05d}-of-{count:05d}.npz" for i in range(count)]
+        rows[table] = sum(write_sparse(table, [tmp / name for name in files[table]]))
+        for name in files[table]:
+            if not (tmp / name).is_file():  # written by a shard on a node whose disk is not this one
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise DataError(
+                    f"{directory / name}: a PS shard wrote its rows where this driver cannot see them "
+                    "(output_dir must be on storage every node mounts at the same path)"
+                )
     meta = {
         "model": model_config.model_dump(),
         "layers": [layer.name for layer in model.layers],
@@ -78,13 +87,15 @@ def save_checkpoint(
     return directory
 
 
-def write_manifest(directory: Path, info: dict[str, Any]) -> Path:
-    """manifest.json of `directory`: `info` plus the SHA-256 of every file under it."""
-    files = {
-        p.relative_to(directory).as_posix(): sha256_of(p)
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+def write_manifest(directory: Path, info: dict[str, Any], known: dict[str, str] | None = None) -> Path:
+    """manifest.json of `directory`: `info` plus the SHA-256 of every file under it (`known`: those of
+    files hashed as they were written, by relative path: a big table's snapshot is not read back)."""
+    known = known or {}
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        name = p.relative_to(directory).as_posix()
+        if p.is_file() and p.name != MANIFEST:
+            files[name] = known.get(name) or sha256_of(p)
     text = json.dumps({**info, "files": files}, indent=2) + "\n"
     return write_bytes_atomic(directory / MANIFEST, text.encode())
 
@@ -304,7 +315,8 @@ def commit_training_checkpoint(
     """Write the manifest, rename `tmp` to checkpoints/step-XXXXXXXX and keep the newest `keep`, with
     every earlier link their chains need (``info["chain"]`` of an incremental checkpoint)."""
     final = step_dir(output_dir, step)
-    write_manifest(tmp, {"step": step, **info})
+    hashed = {str(shard["file"]): str(shard["sha256"]) for shard in info.get("shards") or []}
+    write_manifest(tmp, {"step": step, **info}, hashed)
     _swap_in(tmp, final)
     existing = sorted(final.parent.glob("step-*"))
     needed = {p.name for p in existing[-keep:]}

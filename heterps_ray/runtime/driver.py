@@ -167,6 +167,7 @@ def train(
                 rt.checkpoint_interval_s,
                 rt.checkpoint_keep,
                 rt.checkpoint_full_every,
+                rt.checkpoint_delta_max_share,
             )
             if save
             else None

@@ -47,18 +47,28 @@ def accounting(
 
 
 def save_model(actors: ActorSet, directory: Path) -> Path:
-    """Dense weights (replica 0 of each stage, refreshed) and every shard's sparse rows."""
+    """Dense weights (replica 0 of each stage, refreshed) and every shard's sparse rows (each shard
+    writes its own file, streamed from its table)."""
     dense: dict[str, np.ndarray] = {}
     for part in ray.get(
         [actors.data_workers[0].dense_state.remote()]
         + [r[0].dense_state.remote() for r in actors.stage_workers]
     ):
         dense.update(part)
-    states = ray.get([s.state() for s in actors.shards])
-    prefix = f"sparse/{SPARSE_TABLE}/"
-    sparse = [{k[len(prefix) :]: v for k, v in st.items() if k.startswith(prefix)} for st in states]
+
+    def write_sparse(table: str, paths: list[Path]) -> list[int]:
+        reports = ray.get([s.write_rows(str(p), table) for s, p in zip(actors.shards, paths, strict=True)])
+        return [int(r["rows"]) for r in reports]
+
     settings = {k: v for k, v in asdict(actors.table).items() if k != "dim"}
     job = actors.job
     return save_checkpoint(
-        directory, job.model, actors.model, job.seed, dense, {SPARSE_TABLE: sparse}, settings
+        directory,
+        job.model,
+        actors.model,
+        job.seed,
+        dense,
+        {SPARSE_TABLE: actors.num_shards},
+        write_sparse,
+        settings,
     )

@@ -20,11 +20,16 @@ from heterps_ray.ps.shard import PSShard
 
 
 class ShardHandle(Protocol):
-    """One PS shard for the driver: snapshots, state, counts and the fence of a recovery."""
+    """One PS shard for the driver: snapshots (written by the shard itself, streamed), state, counts
+    and the fence of a recovery."""
 
     def snapshot(self, path: str, delta: bool = False) -> Any: ...
 
     def snapshot_durable(self) -> Any: ...
+
+    def pending_share(self) -> Any: ...
+
+    def write_rows(self, path: str, table: str) -> Any: ...
 
     def restore_chain(self, paths: list[str]) -> Any: ...
 
@@ -50,6 +55,12 @@ class RemoteShard:
 
     def snapshot_durable(self) -> Any:
         return self.actor.snapshot_durable.remote()
+
+    def pending_share(self) -> Any:
+        return self.actor.pending_share.remote()
+
+    def write_rows(self, path: str, table: str) -> Any:
+        return self.actor.write_rows.remote(path, table)
 
     def restore_chain(self, paths: list[str]) -> Any:
         return self.actor.restore_chain.remote(paths)
@@ -84,6 +95,12 @@ class HostedShard:
 
     def snapshot_durable(self) -> Any:
         return self._on(PSShard.snapshot_durable)
+
+    def pending_share(self) -> Any:
+        return self._on(PSShard.pending_share)
+
+    def write_rows(self, path: str, table: str) -> Any:
+        return self._on(lambda shard: shard.write_rows(path, table))
 
     def restore_chain(self, paths: list[str]) -> Any:
         return self._on(lambda shard: shard.restore_chain(paths))
