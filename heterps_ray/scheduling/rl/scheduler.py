@@ -8,8 +8,8 @@
 The policy picks a resource type per layer (masked to the types that can run it); exact
 provisioning sets replicas and PS shards. Every plan the policy produces is a candidate: the
 episodes PPO sampled while training, the final policy's greedy plan and plans sampled from it,
-and the env's reference plans (single-type and per-layer heuristics); the best, optionally
-hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
+the env's reference plans (single-type and per-layer heuristics) and the level DP's plans at a few
+target throughputs (rl/level_plans.py); the best, optionally hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
 what the policy alone reached ("policy_cost"), so the share of each part stays visible.
 """
 
@@ -33,6 +33,7 @@ from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.provisioning import plan_from_counts
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, SchedulingEnv, better
+from heterps_ray.scheduling.rl.level_plans import level_plans
 from heterps_ray.scheduling.rl.policy import (
     PRETRAINED_DIR,
     NumpyPolicy,
@@ -97,6 +98,9 @@ class RLConfig:
     """share of the training budget kept for polishing (with `iterations`: run to a local optimum)"""
     zero_shot_polish_s: float = 0.5
     """polishing time when planning with a saved policy without training"""
+    level_plans_s: float = 0.4
+    """time for the level DP's plans before polishing (rl/level_plans.py; 0: none); without a
+    polishing deadline (`iterations`) every level is solved"""
 
     def ppo_config(self, env_config: dict[str, Any], seed: int) -> Any:
         """The RLlib PPOConfig: one local env runner and one local learner, inside the current Ray."""
@@ -393,6 +397,15 @@ class RLScheduler(Scheduler):
         # the heuristics its reward is measured against.
         for name, assignment in view.reference_assignments.items():
             candidates.setdefault(f"reference:{name}", view.record(assignment))
+        if self.config.level_plans_s > 0.0:
+            began = time.perf_counter()
+            levels = level_plans(
+                view, began + self.config.level_plans_s if math.isfinite(deadline) else math.inf
+            )
+            for result in levels:
+                if better(candidates.get("levels"), result):
+                    candidates["levels"] = result
+            deadline += time.perf_counter() - began  # polishing keeps its own time
         if self.config.polish:  # the best plans found first, then the policy's greedy plan
             starts = view.top(self.config.polish_starts) + [candidates["greedy"]]
             polished = polish(view, starts, deadline)
