@@ -25,9 +25,7 @@ least that), or once ``ρ(X) · N / 3600 >= C``; step from X_n past Θ_n only wh
 costs ``R / Θ >= R_n / Θ_n``). Θ_n is what the level's plan reaches *at the rate R_n*, never what its
 assignment reaches with more replicas (issue 26: those cost more than R_n, which proves nothing about
 the plans in between). Every plan found is re-provisioned exactly for its assignment (provisioning.py),
-which can only lower its cost; the plan records the proof in ``plan.extra["proof"]``. Before the
-walk, `scout` prices the relaxations'
-plans at a few levels for an early incumbent (it proves nothing, it lets the bounds skip more).
+which can only lower its cost; the plan records the proof in ``plan.extra["proof"]``.
 """
 
 from __future__ import annotations
@@ -37,8 +35,6 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from heterps_ray.costmodel import CostModel
 from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
@@ -69,7 +65,6 @@ class Proof:
     solver_optimal: bool = True  # every ILP solved to proven optimality (or proven infeasible)
     levels_bounded: int = 0  # levels skipped by the lower bound
     levels_by_dp: int = 0  # levels solved by a DP candidate meeting the DP bound (no ILP)
-    levels_scouted: int = 0  # lower bounds and levels priced by `scout` for an early incumbent
     bisection_steps: int = 0  # exact feasibility checks for the fastest plan
     tolerance_steps: int = 0  # levels whose solver plan missed them within HiGHS' tolerances (stepped 1e-7)
     stop: str = ""
@@ -84,7 +79,6 @@ class Proof:
             "ilp_all_optimal": self.solver_optimal,
             "levels_skipped_by_dp_bound": self.levels_bounded,
             "levels_proven_by_dp": self.levels_by_dp,
-            "levels_scouted": self.levels_scouted,
             "bisection_steps": self.bisection_steps,
             "tolerance_steps": self.tolerance_steps,
             "stop": self.stop,
@@ -101,7 +95,6 @@ class LevelPricing(ABC):
 
     method = ""  # plan.extra["method"]
     kind = ""  # plan.extra["proof"]["kind"]
-    scout_levels = 0  # levels whose lower bound `scout` samples for an early incumbent (0: none)
 
     def __init__(self, model: CostModel, time_limit_s: float | None = None):
         self.model = model
@@ -185,8 +178,6 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
         return best
     theta_max = pricing.throughput_bound(max(known, target, 1e-9))
     to_cost = model.samples / S_PER_HOUR
-    for assignment in scout(pricing, max(target, 1e-300), theta_max):
-        consider(assignment)
     while target <= theta_max * (1.0 + STEP_RTOL):
         if pricing.out_of_time():
             return best
@@ -243,25 +234,3 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
     else:
         proof.stop = "level above the max throughput bound"
     return best
-
-
-def scout(pricing: LevelPricing, low: float, high: float) -> list[tuple[int, ...]]:
-    """Incumbents for the walk, before it: the plans of the lower bound's relaxations at
-    `pricing.scout_levels` levels spaced geometrically over [low, high]. It proves nothing; a cheaper
-    incumbent early lets the bounds skip more levels (on the true model at 120 layers x 8 types the walk
-    otherwise solves levels far below the optimum's throughput: 120x8 seed 1 solved ILPs from 6,000
-    samples/s up while its optimum sits at 22,434). Solving the most promising levels here too was
-    tried and cost more than it saved (two ILPs of 6-12 s without a good cutoff)."""
-    n = pricing.scout_levels
-    if n <= 0 or not math.isfinite(high) or high <= low:
-        return []
-    found: list[tuple[int, ...]] = []
-    for x in np.geomspace(low, high, n):
-        if pricing.out_of_time():
-            break
-        lb, paths = pricing.lower_bound(float(x))
-        pricing.proof.levels_scouted += 1
-        if not math.isfinite(lb):
-            break
-        found += paths
-    return found

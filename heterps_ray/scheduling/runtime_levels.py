@@ -75,7 +75,6 @@ class RuntimeLevels(LevelPricing):
     """Per-segment runtime tables of one problem and its pricing of a level (module docstring)."""
 
     method = "levels+ilp"
-    scout_levels = 16
     kind = "level walk, levels solved by ILP (HiGHS)"
 
     def __init__(self, model: CostModel, time_limit_s: float | None = None):
