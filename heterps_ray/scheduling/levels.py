@@ -195,7 +195,7 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
                 proof.bound = monetary_cost(lb, model.samples, theta_max)
                 break
             # stop: every plan at or above the level costs R / Θ · N / 3600 >= the ratio bound's
-            if monetary_cost(lb, model.samples, target) >= best[1].cost * RATIO_CHECK:
+            if target > 0.0 and monetary_cost(lb, model.samples, target) >= best[1].cost * RATIO_CHECK:
                 ratio = pricing.ratio_bound(target, math.inf) * to_cost
                 if ratio >= best[1].cost:
                     proof.stop = "ratio bound above the level >= cost"
