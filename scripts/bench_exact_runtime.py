@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                 "size": size, "seed": seed, "base_s": base_s, "base_feasible": plan.feasible,
                 "runtime_s": true_s, "runtime_feasible": true.feasible, "runtime_proven": proof["proven"],
                 "ilp_solves": proof["ilp_solves"], "stop": proof["stop"],
+                "base_cost": plan.cost if plan.feasible else None, "runtime_cost": true.cost if true.feasible else None,
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

@@ -287,3 +287,29 @@ def test_execution_fields_are_set_and_checked():
         problem_from_dict(_problem({"mode": "sync", "batches_ahead": 1}), "p.yaml")
     with pytest.raises(ConfigError, match="runtime.micro_batches"):
         problem_from_dict(_problem({"micro_batches": 3}), "p.yaml")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_interval_bounds_stay_below_every_plan_in_their_interval(seed):
+    """`ratio_bound(low, high)` (the walk stops on it with high = inf) never claims more than the
+    cheapest R / Θ of a plan with low <= Θ <= high, by enumeration."""
+    from heterps_ray.scheduling.runtime_levels import RuntimeLevels
+
+    model = CostModel(problem_from_dict(_random_problem(seed)))
+    caps = [r.max_instances for r in model.problem.resources]
+    plans = []  # (Θ, R) of every plan within the limits
+    for assignment in itertools.product(range(model.num_types), repeat=model.num_layers):
+        stages = len(model.split_stages(assignment))
+        for counts in itertools.product(range(1, max(caps) + 1), repeat=stages):
+            for shards in range(1, caps[model.ps_type] + 1):
+                e = model.evaluate(assignment, list(counts), shards)
+                if e.runnable and e.available and e.throughput > 0:
+                    plans.append((e.throughput, e.cost_rate))
+    levels = RuntimeLevels(model)
+    speeds = sorted({theta for theta, _ in plans})
+    for low in speeds[:: max(1, len(speeds) // 6)]:
+        for width in (0.0, 0.05, 0.3, 1.0, math.inf):
+            high = low * (1.0 + width)
+            inside = [rate / theta for theta, rate in plans if low <= theta <= high]
+            best = min(inside)
+            assert levels.ratio_bound(low, high) <= best * (1.0 + 1e-9)

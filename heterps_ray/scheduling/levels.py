@@ -16,11 +16,12 @@ is not used to skip a level:
 * ``lb(X) <= R*(X)`` (`LevelPricing.lower_bound`): bounds every plan at X and, R* being monotone,
   every plan above X;
 * ``Level.bound <= R*(X)`` (the DP's rate, or the ILP's dual bound);
-* ``Θ_max >= Θ(P)`` for every plan P (`LevelPricing.throughput_bound`).
+* ``Θ_max >= Θ(P)`` for every plan P (`LevelPricing.throughput_bound`);
+* ``ρ(X) <= R(P) / Θ(P)`` for every plan P with Θ(P) >= X (`LevelPricing.ratio_bound`).
 
 Then: skip to ``lb(X) · N / 3600 / C`` (C the best cost found: a plan with X <= Θ below it costs
 ``R / Θ >= lb / Θ > C``); stop once ``lb(X) · N / 3600 / Θ_max >= C`` (every remaining plan costs at
-least that); step from X_n past Θ_n only when R_n is proven R*(X_n) (a plan with X_n <= Θ <= Θ_n then
+least that), or once ``ρ(X) · N / 3600 >= C``; step from X_n past Θ_n only when R_n is proven R*(X_n) (a plan with X_n <= Θ <= Θ_n then
 costs ``R / Θ >= R_n / Θ_n``). Θ_n is what the level's plan reaches *at the rate R_n*, never what its
 assignment reaches with more replicas (issue 26: those cost more than R_n, which proves nothing about
 the plans in between). Every plan found is re-provisioned exactly for its assignment (provisioning.py),
@@ -40,6 +41,7 @@ from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
 from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.scheduling.provisioning import STEP_RTOL, Provisioned, provision_counts
 
+RATIO_CHECK = 1.05  # the ratio bound's stop is tried where lb(X) N / 3600 / X is this far above the cost
 SOLVER_RTOL = 1e-7  # a level whose solver plan misses it within HiGHS' tolerances: the walk steps this far
 TIME_LIMIT = "time limit"  # Proof.stop when the deadline ended the search: the plan is not proven
 
@@ -127,6 +129,12 @@ class LevelPricing(ABC):
         reaches it. objective False: any plan reaching it (a feasibility check)."""
         ...
 
+    def ratio_bound(self, low: float, high: float) -> float:
+        """A lower bound on R(P) / Θ(P) over every plan P with low <= Θ(P) <= high (high may be inf).
+        This one: R(P) >= R*(low) >= lb(low) (R* never falls as X rises) and Θ(P) <= high; a pricing
+        may state a tighter one."""
+        return 0.0 if math.isinf(high) else self.lower_bound(low)[0] / high
+
     @abstractmethod
     def throughput_bound(self, known: float) -> float:
         """An upper bound on every plan's throughput, from a throughput `known` to be reached."""
@@ -186,6 +194,13 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
                 proof.stop = "lower bound at the level / max throughput >= cost"
                 proof.bound = monetary_cost(lb, model.samples, theta_max)
                 break
+            # stop: every plan at or above the level costs R / Θ · N / 3600 >= the ratio bound's
+            if target > 0.0 and monetary_cost(lb, model.samples, target) >= best[1].cost * RATIO_CHECK:
+                ratio = pricing.ratio_bound(target, math.inf) * to_cost
+                if ratio >= best[1].cost:
+                    proof.stop = "ratio bound above the level >= cost"
+                    proof.bound = ratio
+                    break
             # skip: a plan with target <= Θ < skip_to costs >= lb · N / 3600 / Θ > the best cost
             skip_to = lb * to_cost / best[1].cost
             if skip_to > target * (1.0 + STEP_RTOL):

@@ -36,6 +36,9 @@ The bounds it gives the walk, each a lower bound for the reason given:
   (`_through`, the same weights through each segment, excludes the others); plans using the others
   cost at least the incumbent, so min(incumbent, dual bound) <= R*(X). HiGHS gets the incumbent as
   its objective bound (it prunes what cannot beat it): "infeasible" then proves the incumbent R*(X);
+* the ratio bound (`ratio_bound`): per segment its fewest counts at X priced per unit of the most
+  throughput they reach, a lower bound on R / Θ of every plan at or above X (a count is never used
+  better than fully), which the walk stops on;
 * ``Θ_max`` (`throughput_bound`): a level `reachable` rejects no plan reaches (it checks each stage
   within its own type's limit, the cheapest loop with the most DataWorkers any type has, each host's
   cheapest CPU), and no plan reaching more reaches less, so every plan's Θ is below it.
@@ -145,7 +148,7 @@ class RuntimeLevels(LevelPricing):
         self._mix: dict[tuple[bool, float, int], float] = {}  # (case, level, weights) -> the best lam
         # the limits' multipliers: per (case, weights) the last found (a warm start for the next
         # level), per (case, level, weights) the weight, multipliers and limits of `_through`
-        self._mu: dict[tuple[bool, int], np.ndarray] = {}
+        self._mu: dict[tuple[bool, bool, int], np.ndarray] = {}
         self._limits: dict[tuple[bool, float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def counters(self) -> dict[str, int]:
@@ -204,13 +207,17 @@ class RuntimeLevels(LevelPricing):
         rate = np.where(k <= cap[None, None, :], k * self.price, np.inf)
         return m, cap, k, rate
 
-    def _weights(self, hosted: bool, target: float, rate: np.ndarray) -> list[np.ndarray]:
+    def _weights(
+        self, hosted: bool, target: float, rate: np.ndarray, per_throughput: bool = False
+    ) -> list[np.ndarray]:
         """Segment weights whose cheapest path through a segment bounds R from below: the counts
         alone, and (async on actor shards) per stage-0 type t0 the loop priced at p_t0 per DataWorker
-        (R >= Σ_later k p + p_t0 · max(k_0, loop / c), c the loop one DataWorker may take)."""
+        (R >= Σ_later k p + p_t0 · max(k_0, loop / c), c the loop one DataWorker may take).
+        per_throughput: `rate` bounds R / Θ (`ratio_bound`), and the loop is priced per unit of Θ:
+        n / Θ >= loop / c1, c1 = c · target the loop budget at 1 sample/s."""
         if self.sync or hosted:
             return [rate]
-        c = self.loop_budget(target)
+        c = self.loop_budget(target) * (target if per_throughput else 1.0)
         loop = self.busy[hosted] + self.waiting
         out = []
         for t0 in range(self.T):
@@ -235,9 +242,36 @@ class RuntimeLevels(LevelPricing):
         self._memo = (target, result)
         return result
 
-    def _lower_bound(self, target: float) -> tuple[float, list[tuple[int, ...]]]:
+    def ratio_bound(self, low: float, high: float) -> float:
+        """A lower bound on R(P) / Θ(P) ($/hour per sample/s) over every plan P with low <= Θ(P) <= high
+        (high may be inf); inf: no plan in that range. Why: a plan reaching Θ has on each stage at
+        least k(Θ) replicas (`replicas`), and k(X) / X >= k(low) / min(high, X_k(low)) for every X in
+        [low, high], X_k the most a count k reaches (θ(k) / (1 - REACH_RTOL), θ Amdahl's): X <= high,
+        k(X) >= k(low), and where X > X_k(low) the count is k' > k(low) with X <= X_k', and k / θ(k)
+        never falls as k rises (θ(k) / k = c / (k (1 - α) + α)). So p k_s / Θ >= p · that per stage; the
+        shards alike (θ_ps linear in m); the DataWorkers n >= loop Θ / c1 (`_weights`); the limits
+        relaxed as in `lower_bound` (use_t >= Σ k(low) for a plan at or above low). The minimum over
+        the cases of the cheapest path of these weights is then below every such plan's R / Θ."""
+        return self._lower_bound(low, high)[0]
+
+    def _ratio_weights(
+        self, hosted: bool, target: float, high: float, m: int, k: np.ndarray, rate: np.ndarray
+    ) -> tuple[float, np.ndarray]:
+        """`ratio_bound`'s weights over [target, high]: (the shards' m p / min(high, X_m), per segment
+        `rate` (k(target) p) divided by min(high, X_k)). Hosted shards do not limit Θ: m p / high."""
+        tau = self.K * self.busy[hosted]
+        most = stage_throughput(self.B, tau, self.alpha, np.where(k < _HUGE, k, 1.0))
+        reach = np.minimum(high, most / (1.0 - REACH_RTOL) * (1.0 + 1e-12))
+        most_ps = math.inf if hosted else self.model.ps_throughput(m) / (1.0 - REACH_RTOL) * (1.0 + 1e-12)
+        fixed = m * float(self.price[self.ps_type]) / max(min(high, most_ps), target)
+        return fixed, np.where(np.isfinite(rate), rate / np.maximum(reach, target), np.inf)
+
+    def _lower_bound(self, target: float, high: float | None = None) -> tuple[float, list[tuple[int, ...]]]:
+        """lower_bound's work; with `high`, ratio_bound's (per unit of throughput, over target..high)."""
         best, paths = math.inf, []
-        self._mix = {}
+        ratio = high is not None
+        if not ratio:
+            self._mix = {}
         found: list[tuple[float, float, bool, int, np.ndarray, np.ndarray, np.ndarray]] = []
         for hosted in self._cases():
             case = self._case(hosted, target)
@@ -245,7 +279,10 @@ class RuntimeLevels(LevelPricing):
                 continue
             m, cap, k, rate = case
             fixed = m * float(self.price[self.ps_type])
-            weights = self._weights(hosted, target, rate)
+            if ratio:
+                assert high is not None
+                fixed, rate = self._ratio_weights(hosted, target, high, m, k, rate)
+            weights = self._weights(hosted, target, rate, ratio)
             if self.sync or hosted:
                 value, path = cheapest_path(rate)
                 if path is not None:
@@ -254,20 +291,22 @@ class RuntimeLevels(LevelPricing):
                 continue
             for n, (plain, priced) in enumerate(weights):  # type: ignore[misc]
                 value, lam, met = _best_mix(plain, priced)
-                self._mix[(hosted, target, n)] = lam
+                if not ratio:
+                    self._mix[(hosted, target, n)] = lam
                 paths += [assignment_of(p) for p in met]
                 mixed = _mixed(plain, priced, lam) if 0.0 < lam < 1.0 else (plain if lam == 0.0 else priced)
                 found.append((value + fixed, fixed, hosted, n, mixed, k, cap))
         # the limits: raise the weights' bounds from the lowest up while one is below the others (the
         # bound is their minimum, so a weight above it needs no work)
         found.sort(key=lambda f: f[0])
-        unit = float(self.price.max())
+        unit = float(self.price.max()) / (target if ratio else 1.0)
         for value, fixed, hosted, n, weight, k, cap in found:
             if value >= best:
                 break
-            raised, mu, met = relax_limits(weight, k, cap, unit, self._mu.get((hosted, n)))
-            self._mu[(hosted, n)] = mu
-            self._limits[(hosted, target, n)] = (weight, mu, cap)
+            raised, mu, met = relax_limits(weight, k, cap, unit, self._mu.get((ratio, hosted, n)))
+            self._mu[(ratio, hosted, n)] = mu
+            if not ratio:
+                self._limits[(hosted, target, n)] = (weight, mu, cap)
             paths += [assignment_of(p) for p in met]
             best = min(best, max(value, raised + fixed))
         return best, list(dict.fromkeys(paths))
