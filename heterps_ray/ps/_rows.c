@@ -833,6 +833,35 @@ static PyObject *Rows_push(Rows *t, PyObject *args) {
     return PyLong_FromLongLong(applied);
 }
 
+/* the weights, accumulators and meta buffers of an export of n rows (each None: not wanted) */
+static int get_field_bufs(store_t *s, PyObject *wo, PyObject *ao, PyObject *mo, int64_t n, Py_buffer *wb,
+                          Py_buffer *ab, Py_buffer *mb) {
+    if (wo != Py_None && get_buf(wo, wb, 1, 4 * (Py_ssize_t)s->dim, n, "weights") < 0) return -1;
+    if (ao != Py_None && get_buf(ao, ab, 1, 4 * (Py_ssize_t)s->acc_w, n, "accumulators") < 0) return -1;
+    if (mo != Py_None && get_buf(mo, mb, 1, 8, n, "meta") < 0) return -1;
+    if (mo != Py_None && !s->track) {
+        PyErr_SetString(PyExc_ValueError, "this table keeps no counters");
+        return -1;
+    }
+    return 0;
+}
+
+static void release_bufs(Py_buffer *kb, Py_buffer *wb, Py_buffer *ab, Py_buffer *mb) {
+    PyBuffer_Release(kb);
+    if (wb->obj) PyBuffer_Release(wb);
+    if (ab->obj) PyBuffer_Release(ab);
+    if (mb->obj) PyBuffer_Release(mb);
+}
+
+/* row r of store s into position j of the export buffers (weights, accumulators, meta where given) */
+static inline void copy_row_out(store_t *s, uint32_t r, int64_t j, Py_buffer *kb, Py_buffer *wb, Py_buffer *ab,
+                                Py_buffer *mb) {
+    ((int64_t *)kb->buf)[j] = row_key(s, r);
+    if (wb->buf) memcpy((float *)wb->buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
+    if (ab->buf) memcpy((float *)ab->buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
+    if (mb->buf) memcpy((uint32_t *)mb->buf + 2 * (size_t)j, row_meta(s, r), 8);
+}
+
 /* export(which, keys int64[n], weights float32[n, dim] | None, acc float32[n, w] | None,
  *        meta uint32[n, 2] | None): which 0 = rows, 1 = candidates; n = live count */
 static PyObject *Rows_export(Rows *t, PyObject *args) {
@@ -843,31 +872,17 @@ static PyObject *Rows_export(Rows *t, PyObject *args) {
     int64_t n = (int64_t)s->live;
     Py_buffer kb, wb = {0}, ab = {0}, mb = {0};
     if (get_buf(ko, &kb, 1, 8, n, "keys") < 0) return NULL;
-    int ok = 1;
-    if (wo != Py_None && get_buf(wo, &wb, 1, 4 * (Py_ssize_t)s->dim, n, "weights") < 0) ok = 0;
-    if (ok && ao != Py_None && get_buf(ao, &ab, 1, 4 * (Py_ssize_t)s->acc_w, n, "accumulators") < 0) ok = 0;
-    if (ok && mo != Py_None && get_buf(mo, &mb, 1, 8, n, "meta") < 0) ok = 0;
-    if (ok && mo != Py_None && !s->track) {
-        PyErr_SetString(PyExc_ValueError, "this table keeps no counters");
-        ok = 0;
-    }
+    int ok = get_field_bufs(s, wo, ao, mo, n, &wb, &ab, &mb) == 0;
     if (ok) {
         int64_t j = 0;
         for (uint64_t i = 0; i < s->cap; i++) {
             uint32_t v = s->slots[i];
             if (!v) continue;
             uint32_t r = v - 1;
-            ((int64_t *)kb.buf)[j] = row_key(s, r);
-            if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
-            if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
-            if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
-            j++;
+            copy_row_out(s, r, j++, &kb, &wb, &ab, &mb);
         }
     }
-    PyBuffer_Release(&kb);
-    if (wb.obj) PyBuffer_Release(&wb);
-    if (ab.obj) PyBuffer_Release(&ab);
-    if (mb.obj) PyBuffer_Release(&mb);
+    release_bufs(&kb, &wb, &ab, &mb);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
@@ -889,14 +904,7 @@ static PyObject *Rows_export_from(Rows *t, PyObject *args) {
     Py_buffer kb, wb = {0}, ab = {0}, mb = {0};
     if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
     int64_t m = kb.len / 8;
-    int ok = 1;
-    if (wo != Py_None && get_buf(wo, &wb, 1, 4 * (Py_ssize_t)s->dim, m, "weights") < 0) ok = 0;
-    if (ok && ao != Py_None && get_buf(ao, &ab, 1, 4 * (Py_ssize_t)s->acc_w, m, "accumulators") < 0) ok = 0;
-    if (ok && mo != Py_None && get_buf(mo, &mb, 1, 8, m, "meta") < 0) ok = 0;
-    if (ok && mo != Py_None && !s->track) {
-        PyErr_SetString(PyExc_ValueError, "this table keeps no counters");
-        ok = 0;
-    }
+    int ok = get_field_bufs(s, wo, ao, mo, m, &wb, &ab, &mb) == 0;
     int64_t j = 0;
     uint64_t r64 = cursor;
     if (ok) {
@@ -909,17 +917,10 @@ static PyObject *Rows_export_from(Rows *t, PyObject *args) {
                 store_find(s, row_key(s, r), &found);
                 if (found != r) continue;
             }
-            ((int64_t *)kb.buf)[j] = row_key(s, r);
-            if (wb.buf) memcpy((float *)wb.buf + (size_t)j * s->dim, row_w(s, r), 4 * (size_t)s->dim);
-            if (ab.buf) memcpy((float *)ab.buf + (size_t)j * s->acc_w, row_acc(s, r), 4 * (size_t)s->acc_w);
-            if (mb.buf) memcpy((uint32_t *)mb.buf + 2 * (size_t)j, row_meta(s, r), 8);
-            j++;
+            copy_row_out(s, r, j++, &kb, &wb, &ab, &mb);
         }
     }
-    PyBuffer_Release(&kb);
-    if (wb.obj) PyBuffer_Release(&wb);
-    if (ab.obj) PyBuffer_Release(&ab);
-    if (mb.obj) PyBuffer_Release(&mb);
+    release_bufs(&kb, &wb, &ab, &mb);
     if (!ok) return NULL;
     return Py_BuildValue("(LK)", (long long)j, (unsigned long long)r64);
 }

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -32,11 +33,20 @@ from heterps_ray.errors import DataError
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` through a synced temporary file; an old `path` stays intact on failure."""
     path = Path(path)
+    with _replacing(path) as f:
+        f.write(data)
+    return path
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, buffering: int = -1) -> Iterator[Any]:
+    """A binary file that becomes `path` when the block ends (synced, renamed over it, the directory
+    synced); on an error the temporary file goes and an old `path` stays intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, "wb", buffering=buffering) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -44,7 +54,6 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return path
 
 
 def write_npz_atomic(path: str | Path, arrays: dict[str, Any]) -> Path:
@@ -97,21 +106,11 @@ def write_npz_streamed(path: str | Path, members: Iterable[Member]) -> tuple[str
     """Write an .npz (readable by :func:`read_npz`) member by member from chunks, atomically (a
     synced temporary file, then a rename); returns the file's SHA-256 and size in bytes."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
-            out = _HashingWriter(raw)
-            with zipfile.ZipFile(out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-                for member in members:
-                    _write_member(archive, path, member)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with _replacing(path, buffering=1 << 20) as raw:
+        out = _HashingWriter(raw)
+        with zipfile.ZipFile(out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for member in members:
+                _write_member(archive, path, member)
     return out.digest.hexdigest(), out.size
 
 
