@@ -359,8 +359,9 @@ class PSShard(Reusable):
         }
 
     def _snapshot_members(self, delta: bool) -> list[Member]:
-        """:meth:`_state` with `snapshot` as streamed .npz members (the tables' rows read in chunks
-        while the file is written: no copy of the table in memory)."""
+        """What :meth:`snapshot` writes, as streamed .npz members: :meth:`_state`'s arrays, with each
+        table's rows (all, or with `delta` only those changed since the last durable snapshot) read in
+        chunks while the file is written, so no copy of the table is held in memory."""
         out = [
             Member.of("shard/index", np.array(self.index, dtype=np.int64)),
             Member.of("shard/num_shards", np.array(self.num_shards, dtype=np.int64)),

@@ -89,8 +89,9 @@ class StateStore:
         (``runtime.checkpoint_delta_max_share``); else the next checkpoint is written full. A delta's
         rows are gathered in memory before they are written (a full snapshot streams from the table),
         so the share bounds what a checkpoint adds to a table's memory (a 10% delta of a 10M-row
-        table added 12.6% of the planner's estimate at its peak: inside its 15%); and on Criteo-shaped data most rows change within 300 s, which makes a delta
-        as big as a full snapshot, slower to gather, and one more link to replay."""
+        table added 12.6% of the planner's estimate at its peak: inside its 15%). On Criteo-shaped
+        data most rows change within 300 s, which makes a delta as big as a full snapshot, slower to
+        gather, and one more link to replay."""
         return max(ray.get([s.pending_share() for s in self.actors.shards]), default=0.0) <= max_share
 
     def durable(self, checkpoint: Path) -> None:
