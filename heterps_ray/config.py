@@ -32,10 +32,12 @@ from heterps_ray.errors import ConfigError
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 # What a node keeps besides its actors' tables (GiB): Ray's object store as the local cluster starts it
-# (cluster.py), the driver process, and per actor its interpreter, torch and batches in flight.
+# (cluster.py), the driver process, and per actor its interpreter, torch and batches in flight (a
+# DataWorker of CTR-DNN on Criteo-shaped data, evaluation included, measured 0.80 GiB: BENCHMARKS.md
+# "Table memory: a hosted table's checkpoints and model file").
 OBJECT_STORE_GB = 1.0
 DRIVER_GB = 1.5
-ACTOR_RESERVE_GB = 0.5
+ACTOR_RESERVE_GB = 1.0
 # libgomp's spin, in iterations (~100,000 a ms), for a type whose OpenMP threads spin: long enough to
 # span any gap between a training loop's parallel regions, short enough that an idle actor's threads
 # go to sleep. Without it ACTIVE spins for minutes (30 billion): an idle warm actor of 2 threads burnt

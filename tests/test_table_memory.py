@@ -131,7 +131,7 @@ def test_default_budget_splits_the_node_over_its_actors_after_the_store_driver_a
     assert local.table_memory_gb("cpu_small") == pytest.approx(expected)
     assert local.table_memory_gb("cpu_big") == pytest.approx(expected)
     cloud = load_cluster(REPO / "configs" / "clusters" / "cloud_gpu.yaml")  # a node per actor
-    assert cloud.table_memory_gb("cpu") == pytest.approx(16 - 1.0 - 1.5 - 0.5)
+    assert cloud.table_memory_gb("cpu") == pytest.approx(16 - 1.0 - 1.5 - 1.0)
     data = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
     data["resource_types"][0]["table_memory_gb"] = 1.25
     path = tmp_path / "cluster.yaml"
@@ -168,18 +168,18 @@ def _cloud_problem_for(job_file: Path) -> dict[str, Any]:
 
 
 def test_a_table_that_fits_puts_its_shards_needed_into_the_problem_and_the_plan(small_data, tmp_path):
-    # 30M distinct values per slot: 780M rows x 149.3 B = 108 GiB over cloud cpu nodes with 13 GiB each
+    # 30M distinct values per slot: 780M rows x 149.3 B = 108 GiB over cloud cpu nodes with 12.5 GiB each
     data = _with_distinct(small_data, tmp_path / "d", 30_000_000)
     job_file = _job_file(tmp_path, data, cluster="cloud_gpu.yaml")
     problem = problem_from_dict(_cloud_problem_for(job_file))
     table = problem.ps.table
     assert table is not None and table.rows == 26 * 30_000_000
-    assert table.budget_gb["cpu"] == 13.0
-    need = math.ceil(table.rows * table.bytes_per_row / (13 * GIB))
+    assert table.budget_gb["cpu"] == 12.5
+    need = math.ceil(table.rows * table.bytes_per_row / (12.5 * GIB))
     assert table.shards_needed == need == 9 and problem.ps_min_shards == 9  # more than min_shards 2
     plan = get_scheduler("exact").schedule(problem)
     assert plan.feasible and plan.ps_shards >= 9
-    assert plan.ps_shards * 13 * GIB >= table.rows * table.bytes_per_row  # no shard over its budget
+    assert plan.ps_shards * 12.5 * GIB >= table.rows * table.bytes_per_row  # no shard over its budget
 
 
 def test_plan_and_compare_refuse_a_table_no_plan_holds_with_exit_3_and_the_figures(
@@ -188,15 +188,15 @@ def test_plan_and_compare_refuse_a_table_no_plan_holds_with_exit_3_and_the_figur
     data = _with_distinct(small_data, tmp_path / "d", BIG_SLOT)
     job = _job_file(tmp_path, data, cluster="cloud_gpu.yaml")
     problem = _cloud_problem_for(job)
-    problem["resources"][0]["max_instances"] = 16  # 16 cpu nodes x 13 GiB cannot hold 290 GiB
+    problem["resources"][0]["max_instances"] = 16  # 16 cpu nodes x 12.5 GiB cannot hold 290 GiB
     path = tmp_path / "problem.yaml"
     path.write_text(yaml.safe_dump(problem))
     for command in (["plan", "--problem", str(path)], ["compare", "--problem", str(path)]):
         assert main(command) == 3
         err = capsys.readouterr().err
         assert "no plan can hold the table" in err and "2,080,000,000 expected rows" in err
-        assert "x 149.3 B/row" in err and "need 23 PS shards on 'cpu'" in err
-        assert "cpu 13.00 GiB" in err and "a100 141.00 GiB" in err and "max_instances 16" in err
+        assert "x 149.3 B/row" in err and "need 24 PS shards on 'cpu'" in err
+        assert "cpu 12.50 GiB" in err and "a100 140.50 GiB" in err and "max_instances 16" in err
 
 
 def test_run_refuses_the_80m_per_slot_table_on_this_machine_before_ray_starts(
@@ -236,7 +236,7 @@ def test_hosted_shards_are_priced_as_actors_where_a_dataworker_cannot_hold_the_t
     from helpers import cloud_problem_with_runtime_terms
 
     base = load_problem(cloud_problem_with_runtime_terms(tmp_path)).to_dict()  # cpu and t4, ps_hosting auto
-    big = _with_distinct(small_data, tmp_path / "big", 30_000_000)  # 108 GiB: no 13 GiB DataWorker holds it
+    big = _with_distinct(small_data, tmp_path / "big", 30_000_000)  # 108 GiB: no 12.5 GiB DataWorker holds it
     data = with_table(
         json.loads(json.dumps(base)), load_job(_job_file(tmp_path, big, cluster="cloud_gpu.yaml"))
     )
