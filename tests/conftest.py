@@ -44,3 +44,35 @@ def criteo_sample() -> Path:
     if not CRITEO_SAMPLE.exists():
         pytest.fail(f"missing {CRITEO_SAMPLE}")
     return CRITEO_SAMPLE
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """2,000 synthetic rows, seed 11 (1,800 train rows: 28 batches of 64): the data of the tiny sync
+    jobs (helpers.tiny_sync_job) that several files train and resume on. Read only: shared."""
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("tiny") / "data"
+    synthesize(path, 2_000, seed=11, rows_per_part=1_000)
+    return path
+
+
+UNDISTURBED_STEPS = 12  # batches of the undisturbed run the resume tests compare with
+
+
+@pytest.fixture(scope="session")
+def undisturbed_tiny_run(ray_local, tiny_dataset, tmp_path_factory):
+    """The undisturbed run a resumed one must equal, trained once for the session: a tiny sync job on
+    tiny_dataset under configs/plans/small_three_stage.json (3 stages, 2 PS shards), UNDISTURBED_STEPS
+    batches; (its RunSummary, its output_dir). Its output_dir is only read."""
+    from helpers import tiny_sync_job
+
+    from heterps_ray.costmodel.plan import load_plan
+    from heterps_ray.runtime.driver import train
+
+    out = tmp_path_factory.mktemp("undisturbed") / "whole"
+    plan = load_plan(REPO / "configs" / "plans" / "small_three_stage.json")
+    summary = train(
+        tiny_sync_job("undisturbed", tiny_dataset, out), plan, steps=UNDISTURBED_STEPS, progress=False
+    )
+    return summary, out

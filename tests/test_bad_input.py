@@ -255,11 +255,34 @@ def test_plan_with_unreachable_floor_exits_3_and_keeps_the_old_output(tmp_path, 
     assert old_plan.read_text() == '{"an": "earlier plan"}\n'
 
 
+def _one_type_problem(folder: Path, layers: list[str], rtype: str) -> Path:
+    """A hand-priced problem of `layers` on the one resource type `rtype`, written into `folder`."""
+    time_ms = {rtype: {"fixed": 0.5, "per_sample": 0.01}}
+    problem = {
+        "name": "bad-input, hand-priced",
+        "batch_size": 64,
+        "samples": 10_000,
+        "throughput_min": 0,
+        "input_bytes_per_sample": 160,
+        "resources": [{"name": rtype, "price_per_hour": 0.2, "max_instances": 4, "bandwidth_gbps": 10}],
+        "ps": {"resource": rtype, "rows_per_second_per_shard": 2.0e6, "min_shards": 1},
+        "layers": [
+            {"name": name, "out_bytes_per_sample": 64, "sparse_rows_per_sample": 26 if name == "embedding" else 0,
+             "parallel_fraction": 0.5, "time_ms": time_ms}
+            for name in layers
+        ],
+    }  # fmt: skip
+    path = folder / "problem.yaml"
+    path.write_text(yaml.safe_dump(problem))
+    return path
+
+
 @pytest.mark.slow
 def test_run_with_unreachable_floor_exits_3_naming_the_highest_reachable(
     ray_local, dataset, tmp_path, capsys
 ):
-    # one resource type and three layers: the least profiling that still plans
+    # one resource type and three layers, priced by hand as a profile prices them (the planning step
+    # refuses; a profile, tested end to end in test_run.py and test_profiler.py, would only cost seconds)
     cluster = yaml.safe_load(CLUSTER.read_text())
     cluster["resource_types"] = cluster["resource_types"][:1]
     model = {**MODEL, "hidden": [8]}
@@ -269,7 +292,8 @@ def test_run_with_unreachable_floor_exits_3_naming_the_highest_reachable(
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own notes\n")
-    argv = ["run", str(job), "--quick-profile", "--steps", "2", "--no-progress"]
+    problem = _one_type_problem(tmp_path, ["embedding", "fc1", "logit"], cluster["resource_types"][0]["name"])
+    argv = ["run", str(job), "--problem", str(problem), "--steps", "2", "--no-progress"]
     err = _refused(argv, capsys, code=3)
     assert "no plan reaches the floor of 1,000,000,000,000 samples/s" in err, err
     best = float(err.split("the fastest reaches ")[1].split(" samples/s")[0].replace(",", ""))

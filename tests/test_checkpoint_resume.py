@@ -185,12 +185,8 @@ def test_files_listed_in_a_manifest_stay_inside_the_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from heterps_ray.data.synth import synthesize
-
-    path = tmp_path_factory.mktemp("resume") / "data"
-    synthesize(path, 2_000, seed=11, rows_per_part=1_000)  # 1,800 train rows: 28 batches of 64
-    return path
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset  # 1,800 train rows: 28 batches of 64
 
 
 def _model_arrays(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -202,11 +198,16 @@ def _model_arrays(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, np.nd
 
 
 @pytest.mark.slow
-def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset, tmp_path):
+def test_stopped_and_resumed_run_equals_an_uninterrupted_run(
+    ray_local, dataset, undisturbed_tiny_run, tmp_path
+):
+    from conftest import UNDISTURBED_STEPS
+
     from heterps_ray.cli import main
 
     plan = load_plan(PLAN)
-    whole = train(_job(dataset, tmp_path / "whole"), plan, steps=TOTAL, progress=False)
+    whole, whole_dir = undisturbed_tiny_run  # this job under PLAN, TOTAL batches uninterrupted
+    assert UNDISTURBED_STEPS == TOTAL
 
     run_dir = tmp_path / "resumed"
     first = train(_job(dataset, run_dir, checkpoint_every=STOP), plan, steps=STOP, progress=False)
@@ -239,7 +240,7 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_run(ray_local, dataset,
     np.testing.assert_allclose(resumed["losses"], whole.losses, rtol=0, atol=1e-6)
     assert len(whole.losses) == TOTAL
 
-    dense_a, sparse_a = _model_arrays(tmp_path / "whole")
+    dense_a, sparse_a = _model_arrays(whole_dir)
     dense_b, sparse_b = _model_arrays(run_dir)
     assert dense_a.keys() == dense_b.keys()
     for name in dense_a:

@@ -73,20 +73,21 @@ def test_an_elastic_run_starts_without_a_declared_type_that_a_plain_command_requ
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from heterps_ray.data.synth import synthesize
-
-    path = tmp_path_factory.mktemp("elastic") / "data"
-    synthesize(path, 2_000, seed=11, rows_per_part=1_000)
-    return path
+def dataset(tiny_dataset) -> Path:
+    return tiny_dataset
 
 
-def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(ray_local, dataset, tmp_path):
+def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(
+    ray_local, dataset, undisturbed_tiny_run, tmp_path
+):
+    from conftest import UNDISTURBED_STEPS
+
     three_stages = load_plan(PLANS / "small_three_stage.json")  # 3 stages, 2 PS shards
     raw = load_plan(PLANS / "small_two_stage.json").to_dict()  # 2 stages on cpu_big
     raw["ps_shards"] = 3
     two_stages = Plan.from_dict(raw)
-    whole = train(_job(dataset, tmp_path / "whole"), three_stages, steps=TOTAL, progress=False)
+    whole, whole_dir = undisturbed_tiny_run  # this job under three_stages, TOTAL batches uninterrupted
+    assert UNDISTURBED_STEPS == TOTAL
     run_dir = tmp_path / "replanned"
     train(_job(dataset, run_dir, checkpoint_every=STOP), three_stages, steps=STOP, progress=False)
     resumed = train(
@@ -101,7 +102,7 @@ def test_resume_under_another_plan_and_shard_count_equals_an_undisturbed_run(ray
     extra = resumed.extra
     assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (TOTAL, 0, 0)
     np.testing.assert_allclose(resumed.losses, whole.losses, rtol=0, atol=1e-6)
-    a, b = load_checkpoint(tmp_path / "whole" / "model"), load_checkpoint(run_dir / "model")
+    a, b = load_checkpoint(whole_dir / "model"), load_checkpoint(run_dir / "model")
     for name, value in a.net.state_dict().items():
         np.testing.assert_allclose(b.net.state_dict()[name].numpy(), value.numpy(), rtol=0, atol=1e-6)
     sa, sb = a.table.state(), b.table.state()

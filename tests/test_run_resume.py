@@ -153,13 +153,11 @@ def test_a_run_killed_before_any_checkpoint_resumes_from_step_zero_with_its_plan
     out = tmp_path / "early"
     job_file = _job_file(tmp_path, data, out)
     # what a driver killed after planning, before its first checkpoint, leaves: the problem, the plan and
-    # the run state, and a checkpoint directory half written
-    first = run_job(
-        load_job(_job_file(tmp_path, data, tmp_path / "scratch")), progress=False, problem_file=problem
-    )
+    # the run state (those the uninterrupted run of this same job wrote, moved to `out`), and a
+    # checkpoint directory half written
     out.mkdir()
     for name in ("problem.yaml", "plan.json", STATE_FILE):
-        text = (tmp_path / "scratch" / name).read_text().replace(str(tmp_path / "scratch"), str(out))
+        text = (folder / "calm" / name).read_text().replace(str(folder / "calm"), str(out))
         (out / name).write_text(text)
     state = json.loads((out / STATE_FILE).read_text())
     state["finished"] = False
@@ -168,7 +166,7 @@ def test_a_run_killed_before_any_checkpoint_resumes_from_step_zero_with_its_plan
 
     report = run_job(load_job(job_file), resume="yes", progress=False)
 
-    assert report.plan == first.plan
+    assert report.plan == calm.plan
     assert "resumed_from" not in json.loads((out / "run_summary.json").read_text())["extra"]
     assert (report.auc, report.logloss) == pytest.approx((calm.auc, calm.logloss), abs=1e-6)
     assert not list((out / CHECKPOINTS_DIR).glob(".step-*.tmp"))  # the leftover was cleaned
