@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -272,7 +273,8 @@ def test_readme_main_command_runs_the_quickstart_job(tmp_path):
     # the profile's parts (the layers on each type's actors, the runtime probes, the fit) fill it
     parts = sum(saved["seconds"][f"profile.{p}"] for p in PROFILE_PARTS)
     assert 0.9 * saved["seconds"]["profile"] <= parts <= saved["seconds"]["profile"]
-    assert "runtime probes" in ran.stderr and "6/6" in ran.stderr  # the probes' progress bar
+    probes = re.search(r"runtime probes: 100%\S* (\d+)/(\d+)", ran.stderr)  # the probes' progress bar
+    assert probes is not None and probes[1] == probes[2] and 6 <= int(probes[1]) <= 8
     assert f"probes {saved['seconds']['profile.probes']:.1f}s" in printed  # the report's time line
     for line in ("plan by rl", "run 'quickstart': scheduler rl", "met (achieved >= 90% of it)", "AUC"):
         assert line in printed, line
@@ -280,9 +282,10 @@ def test_readme_main_command_runs_the_quickstart_job(tmp_path):
     for name in ("problem.yaml", "problem.fit.csv", "model"):
         assert (out / name).exists(), name
     # the full profile, not the quick one: its runtime probes ran (two stages each way, one stage on
-    # each type twice) and the problem carries the runtime terms they fit, with the profile's spread
+    # each type twice, a third where two disagree) and the problem carries the runtime terms they fit,
+    # with the profile's spread
     raw = pd.read_parquet(out / "problem.measurements.parquet")
-    assert len(raw[raw["kind"] == "probe"]) == 6
+    assert 6 <= len(raw[raw["kind"] == "probe"]) <= 8
     runtime = load_problem(out / "problem.yaml").runtime
     assert runtime is not None and set(runtime.spread) == {"cpu_small", "cpu_big"}
     # the report shows the throughput range that spread implies around the prediction

@@ -43,10 +43,14 @@ from heterps_ray.ps.atomic import write_bytes_atomic
 #             "call_cpu" (`calls` small actor calls in `ms`, while the node's raylet used `client_ms`
 #             of CPU: Ray's own work per call), "call" (`calls` calls carrying `nbytes` and returning
 #             as much, 4 in flight, received by an actor of `resource` in `ms`: its own work per call),
-#             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer")
+#             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer"),
+#             "probe" (a runtime probe, probes.py: its plan's steady ms per batch in `ms`),
+#             "probe_disturbed" (a one-stage probe run taken again: other work ran beside it; not fitted)
 #   forward_ms / backward_ms   layer: forward / backward + optimizer step; ps: pull / push
 #   client_ms  ps: the push's work in the client (de-duplicating keys, summing gradients);
-#              input: opening the dataset on a worker (imports on its first call: a one-time cost)
+#              input: opening the dataset on a worker (imports on its first call: a one-time cost);
+#              probe: the CPU ms other processes used on the driver's machine while it ran (NaN where
+#              the cluster's processes are not the driver's own)
 #   resource  the resource type measured (the sender, for transfers); peer: the receiver type
 COLUMNS = (
     "kind",

@@ -10,11 +10,15 @@ The probes train sync plans for a few seconds each on the job's own data and act
   :data:`ONE_STAGE_REPEATS` times each, the types interleaved, every other round reversed (the fit
   takes each probe's median).
 
-The two-stage probes go first: each starts a DataWorker and a StageWorker at once (warm.py keeps
-them), so the one-stage probes that follow run on warm DataWorkers. An actor's first run is slower
-even past its first chunk (a cold process); the one-stage probes, which calibrate every layer time,
-are not taken on one. Their repeats' spread is the profile's own: the problem keeps it
-(``runtime.spread``).
+A type's first one-stage run follows the two-stage probe whose caller is its DataWorker (warm.py
+keeps the actors, so it runs on a warm one: an actor's first run is slower even past its first
+chunk), and the two-stage probes are spread between them: a type's runs span the whole probe phase
+rather than a few seconds of it. What moves a one-stage run most is the machine's state while it
+runs (a burst of other work, a drift of its speed), common to the runs beside it; three runs apart
+give a median that one disturbed run does not move. So a type whose two runs disagree by more than
+:data:`ONE_STAGE_AGREE` gets a third at the end (where they agree, the median of three would lie
+between them), and a run that the profile saw other work beside is taken again (profiler.py). Their
+spread is the profile's own: the problem keeps it (``runtime.spread``).
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
@@ -35,7 +39,8 @@ from heterps_ray.config import JobConfig
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
 PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
-ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types)
+ONE_STAGE_AGREE = 0.04  # two one-stage runs further apart than this (of their mean): a third decides
+ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types); a third where they disagree
 
 
 def probe_steps(job: JobConfig, steps: int = PROBE_STEPS) -> int:
@@ -54,16 +59,29 @@ def probe_plans(
 ) -> list[tuple[str, str, int]]:
     """(caller type, callee type, index of the second stage's first layer) per probe run, in the
     order to run them; callee '' and index len(layers) for the one-stage probe (`repeats` runs on
-    each type, interleaved). `types` are those present that run every layer."""
+    each type, interleaved). `types` are those present that run every layer.
+
+    For types small, big: small->big, small, big->small, big, then big, small: each type's first
+    one-stage run right after the two-stage probe that warmed its DataWorker, then the rounds
+    alternating in order (ABBA: a drift of the machine's speed over the probes shifts no type)."""
     if not types:
         return []
     first = types[0]
-    probes = []
+    two_stage = []
     if len(layers) > 1:
-        for callee in types[1:]:
-            probes.append((first, callee, 1))
+        two_stage += [(first, callee, 1) for callee in types[1:]]
         if len(types) > 1:
-            probes.append((types[1], first, 1))
-    # every other round in reverse (ABBA): a drift of the machine's speed over the probes shifts no type
+            two_stage.append((types[1], first, 1))
+    alone = len(layers)
     rounds = [types if rep % 2 == 0 else types[::-1] for rep in range(repeats)]
-    return probes + [(t, "", len(layers)) for order in rounds for t in order]
+    plans: list[tuple[str, str, int]] = []
+    opened: list[str] = []  # types whose first one-stage run is placed
+    for probe in two_stage:
+        plans.append(probe)
+        caller = probe[0]
+        if repeats and caller not in opened:  # its DataWorker has run: warm
+            plans.append((caller, "", alone))
+            opened.append(caller)
+    rest = [t for t in types if t not in opened]  # a type no two-stage probe warmed: its first round here
+    later = [t for order in rounds[1:] for t in order]
+    return plans + [(t, "", alone) for t in (rest if repeats else [])] + [(t, "", alone) for t in later]

@@ -45,7 +45,14 @@ from heterps_ray.profiling.placement import (
     actor_counts,
     start_all,
 )
-from heterps_ray.profiling.probes import ONE_STAGE_REPEATS, PROBE_STEPS, ProbeRunner, probe_plans, probe_steps
+from heterps_ray.profiling.probes import (
+    ONE_STAGE_AGREE,
+    ONE_STAGE_REPEATS,
+    PROBE_STEPS,
+    ProbeRunner,
+    probe_plans,
+    probe_steps,
+)
 
 _BYTES_PER_MB = 1 << 20
 
@@ -60,9 +67,9 @@ class ProfileSettings:
     """untimed calls before each timed series"""
     repeats: int = 5
     """timed calls per (layer, type, batch size); the fit uses their mean"""
-    pair_repeats: int = 2
+    pair_repeats: int = 1
     """1- vs 2-replica wall-time runs per (layer, type)"""
-    pair_ms: float = 40.0
+    pair_ms: float = 50.0
     """each 1-/2-replica run repeats the layer on each actor for this long"""
     transfer_bytes: tuple[int, ...] = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
     ps_calls: int = 8
@@ -70,17 +77,29 @@ class ProfileSettings:
     ps_repeats: int = 3
     input_rows: int = 1 << 16
     """rows read per input-rate repeat: one chunk of heterps_ray.data.dataset (it converts 65,536 at a time)"""
-    host_window_s: float = 0.5
+    host_window_s: float = 0.3
     """how long each type's first actor watches its machine's CPU use while idle (background load)"""
     host_calls: int = 100
     """actor calls whose CPU cost in Ray's own processes (the raylet) is measured, per type"""
     call_count: int = 40
     """calls per message size, 4 in flight, that time an actor's own work per call received, per type"""
+    call_sizes: int = 3
+    """message sizes of those calls: this many of `transfer_bytes`, the smallest, the largest and
+    evenly between (the fit is a line in the size)"""
+    input_repeats: int = 2
+    """input-rate reads per type (the first is cold, start-up: the fit takes the rest)"""
     probe_steps: int | None = PROBE_STEPS
     """batches each runtime probe trains (probes.py; 0: the warm-up and one read chunk's worth; None: no
     probes, the problem gets no call terms and uncalibrated layer times)"""
     probe_repeats: int = ONE_STAGE_REPEATS
     """runs of each one-stage probe, interleaved across types (the fit takes their median)"""
+    probe_agree: float = ONE_STAGE_AGREE
+    """a type whose two one-stage runs lie further apart than this (of their mean) gets a third"""
+    probe_background: float = 0.2
+    """cores of other work beside a one-stage run (on the driver's machine, the cluster's own processes
+    left out) above which it is taken again, the disturbed run kept as a "probe_disturbed" row"""
+    probe_extra: int = 2
+    """one-stage runs added at most per profile, both kinds together (each costs a probe's time)"""
     seed: int = 0
     progress: bool = True
     start_timeout_s: float = 120.0
@@ -103,7 +122,9 @@ class ProfileSettings:
             "host_window_s": 0.3,
             "host_calls": 50,
             "call_count": 20,
+            "input_repeats": 1,
             "probe_steps": None,
+            "probe_repeats": 2,
         }
         return cls(**{**fields, **overrides})
 
@@ -114,6 +135,7 @@ class ProfileSettings:
             repeats=self.repeats * factor,
             pair_repeats=self.pair_repeats * factor,
             ps_repeats=self.ps_repeats * factor,
+            input_repeats=self.input_repeats * factor,
             probe_repeats=self.probe_repeats * factor,
         )
 
@@ -331,7 +353,7 @@ def measure(
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
         started = time.perf_counter()
-        rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe)
+        rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe, notes)
         seconds["probes"] = time.perf_counter() - started
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
@@ -355,10 +377,18 @@ def _release(hosts: Hosts, present: list[ResourceType], actors: dict[str, list[A
 
 
 def _probe_runs(
-    job: JobConfig, spec: ModelSpec, types: list[str], settings: ProfileSettings, run_probe: ProbeRunner
+    job: JobConfig,
+    spec: ModelSpec,
+    types: list[str],
+    settings: ProfileSettings,
+    run_probe: ProbeRunner,
+    notes: list[str],
 ) -> list[_Row]:
-    """The runtime probes (probes.py): one row per probe with its steady ms per batch, on the job's
-    data (a synthetic dataset as large as the probes read when the job has none yet)."""
+    """The runtime probes (probes.py): one row per probe with its steady ms per batch and the CPU ms
+    of other work beside it, on the job's data (a synthetic dataset as large as the probes read when
+    the job has none yet). A one-stage run with more than ``settings.probe_background`` cores of other
+    work beside it is taken again, and a type whose two one-stage runs disagree gets a third
+    (probes.py; at most ``settings.probe_extra`` runs added in all)."""
     import tempfile
 
     from tqdm.auto import tqdm
@@ -381,19 +411,96 @@ def _probe_runs(
     try:
         out: list[_Row] = []
         runs: dict[tuple[str, str, int], int] = {}
-        for caller, callee, split in plans:
-            bar.set_postfix_str(_probe_label(layers, caller, callee, split, steps))
-            ms = run_probe(job, layers, caller, callee, split, steps)
-            bar.update()
+        queue, extra, decided = list(plans), settings.probe_extra, False
+        while queue:
+            caller, callee, split = queue.pop(0)
+            label = _probe_label(layers, caller, callee, split, steps)
+            bar.set_postfix_str(label)
+            with _Background() as background:
+                ms = run_probe(job, layers, caller, callee, split, steps)
             resource, peer = (callee, caller) if callee else (caller, "")
-            rep = runs[caller, callee, split] = runs.get((caller, callee, split), -1) + 1
-            out.append(_Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
-                            repeat=rep, ms=ms))  # fmt: skip
+            rep = runs.get((caller, callee, split), -1) + 1
+            row = _Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
+                       repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
+            out.append(row)
+            bar.update()
+            if not callee and extra > 0 and background.cores > settings.probe_background:
+                # a one-stage run beside other work: kept apart (not fitted), taken again at once
+                row.kind = "probe_disturbed"
+                extra -= 1
+                queue.insert(0, (caller, callee, split))
+                notes.append(f"{label}: {background.cores:.2f} cores of other work beside it ({ms:.1f} ms a "
+                             "batch): taken again")  # fmt: skip
+                bar.total += 1
+                continue
+            runs[caller, callee, split] = rep
+            if not queue and not decided:  # the planned runs done: a third where a type's two disagree
+                decided = True
+                for name in _disagreeing(out, settings.probe_agree)[:extra]:
+                    queue.append((name, "", len(layers)))
+                    extra -= 1
+                    bar.total += 1
         return out
     finally:
         bar.close()
         if scratch is not None:
             scratch.cleanup()
+
+
+class _Background:
+    """CPU the driver's machine spent outside this Ray cluster's processes (the driver, and the raylet
+    and workers it started) while the block ran: `cpu_ms`, and `cores` over its wall time. NaN where
+    the cluster is not this driver's own (``--address``): its processes are not this one's children."""
+
+    def __enter__(self) -> _Background:
+        self.cpu_ms = self.cores = math.nan
+        self._own = _own_cpu_s()
+        self._busy, self._t0 = _busy_cpu_s(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, wall = _busy_cpu_s() - self._busy, time.perf_counter() - self._t0
+        own = _own_cpu_s()
+        if self._own is None or own is None or wall <= 0:
+            return
+        # per process: one that exited meanwhile takes its CPU with it, not counted as anyone's
+        spent = sum(cpu - self._own.get(pid, 0.0) for pid, cpu in own.items())
+        self.cpu_ms = max(busy - spent, 0.0) * 1000.0
+        self.cores = self.cpu_ms / 1000.0 / wall
+
+
+def _own_cpu_s() -> dict[int, float] | None:
+    """CPU s of this process and of each of its descendants; None without a raylet among them."""
+    import psutil
+
+    me = psutil.Process()
+    out, raylet = {}, False
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = t.user + t.system
+            raylet = raylet or proc.name() == "raylet"
+        except psutil.Error:  # exited meanwhile
+            continue
+    return out if raylet else None
+
+
+def _busy_cpu_s() -> float:
+    """CPU s the whole machine has spent busy (every core, since boot)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _disagreeing(rows: list[_Row], agree: float) -> list[str]:
+    """The types whose two one-stage runs (rows of kind "probe") lie further apart than `agree` of
+    their mean."""
+    alone: dict[str, list[float]] = {}
+    for row in rows:
+        if row.kind == "probe" and not row.peer and row.resource:
+            alone.setdefault(row.resource, []).append(row.ms)
+    return [name for name, ms in alone.items() if len(ms) == 2 and abs(ms[0] - ms[1]) > agree * (sum(ms) / 2)]
 
 
 def _probe_label(layers: list[str], caller: str, callee: str, split: int, steps: int) -> str:
@@ -514,8 +621,11 @@ def _call_runs(
     wait: Waiter,
 ) -> list[_Row]:
     """Per type: its first actor kept busy with calls from another actor (its second, else one of
-    another type), at each message size; a row per size with `calls` in `ms`."""
+    another type), at ``settings.call_sizes`` message sizes; a row per size with `calls` in `ms`."""
     rows = []
+    sizes = sorted(settings.transfer_bytes)
+    picks = np.linspace(0, len(sizes) - 1, min(max(settings.call_sizes, 2), len(sizes)))
+    sizes = sorted({sizes[round(i)] for i in picks})
     everyone = [a for group in actors.values() for a in group]
     for rtype in present:
         callee = actors[rtype.name][0]
@@ -523,7 +633,7 @@ def _call_runs(
         if caller is None:
             notes.append(f"a single actor: {rtype.name}'s own work per call not measured")
             continue
-        for nbytes in settings.transfer_bytes:
+        for nbytes in sizes:
             ms = wait(caller.call_rate.remote(callee, nbytes, settings.call_count), f"{rtype.name} call rate")
             rows.append(_Row("call", rtype.name, nbytes=nbytes, calls=settings.call_count, ms=ms))
     return rows
@@ -640,7 +750,7 @@ def _input_runs(
         rows = min(Dataset(path).num_rows("train"), settings.input_rows)
         out = []
         for rtype in present:
-            for rep in range(settings.ps_repeats):
+            for rep in range(settings.input_repeats):
                 done, ms, setup = wait(
                     actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows),
                     f"{rtype.name} input read",
