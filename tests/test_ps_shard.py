@@ -85,6 +85,28 @@ def test_sharded_pull_push_equals_one_table(ray_local, num_shards):
         _kill(shards)
 
 
+def test_one_hosted_shard_trains_its_table_exactly_like_the_reference_table():
+    """The one-stage plan's PS (one shard in the DataWorker) takes a batch's keys whole, repeats and
+    all: rows, counters and Adagrad state equal the reference trainer's one table bit for bit."""
+    spec = TableSpec(dim=4, seed=5, admit_after=2)
+    rng = np.random.default_rng(3)
+    vocab = rng.integers(-(2**63), 2**63 - 1, 2000, dtype=np.int64)
+    client = PSClient([PSShard(0, 1, {"emb": spec})], hosted=True)
+    local = SparseTable(**vars(spec))
+    assert client.split(vocab[:10]) is None  # nothing split or de-duplicated before the shard
+    for step in range(1, 21):
+        keys = vocab[(rng.zipf(1.3, (32, 26)) - 1) % len(vocab)]  # many repeats in a batch
+        rows = client.pull("emb", keys, step=step)
+        np.testing.assert_array_equal(rows, local.pull(keys.ravel(), step=step).reshape(32, 26, 4))
+        grads = rng.standard_normal((32, 26, 4)).astype(np.float32)
+        assert client.push("emb", keys, grads, (0, step, 0)) == []
+        local.push(keys.ravel(), grads.reshape(-1, 4))
+    (state,) = client.states()
+    for name, value in local.state().items():
+        np.testing.assert_array_equal(state[f"sparse/emb/{name}"], value, err_msg=name)
+    assert client.shards[0].applied()[0][1:21].tolist() == [1] * 20
+
+
 def test_pull_without_create_stores_nothing(ray_local):
     shards = start_shards(2, {"emb": SPEC}, SHARD_OPTIONS)
     try:

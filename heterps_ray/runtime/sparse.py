@@ -35,7 +35,7 @@ class SparseRows:
         self.updates = 0  # sparse pushes sent (one per batch in sync, per micro-batch in async)
         self._refs: list[Any] = []
 
-    def split(self, keys: np.ndarray) -> KeySplit:
+    def split(self, keys: np.ndarray) -> KeySplit | None:
         return self.ps.split(keys)
 
     def clock(self, batch: int) -> int:
@@ -84,7 +84,7 @@ class SparseSchedule(Protocol):
     """When a DataWorker pulls and pushes sparse rows, how it scales and steps its micro-batches, and
     how far batches overlap: :class:`PerBatch` (sync) or :class:`PerMicroBatch` (async)."""
 
-    def start_batch(self, keys: np.ndarray, split: KeySplit, batch: int) -> None: ...
+    def start_batch(self, keys: np.ndarray, split: KeySplit | None, batch: int) -> None: ...
 
     def micro_batch(self, size: int, batch_size: int, last: bool) -> tuple[float, bool]:
         """(scale of its mean loss's gradient, whether local weights step after it)."""
@@ -96,7 +96,7 @@ class SparseSchedule(Protocol):
         self, keys: np.ndarray, part: slice, grad: np.ndarray, split: KeySplit | None, batch: int
     ) -> None: ...
 
-    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit, batch: int) -> None: ...
+    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit | None, batch: int) -> None: ...
 
 
 class PerBatch:
@@ -107,7 +107,7 @@ class PerBatch:
         self._rows = np.zeros((0,), dtype=np.float32)  # this batch's rows
         self._grad = np.zeros((0,), dtype=np.float32)  # this batch's gradient, filled per micro-batch
 
-    def start_batch(self, keys: np.ndarray, split: KeySplit, batch: int) -> None:
+    def start_batch(self, keys: np.ndarray, split: KeySplit | None, batch: int) -> None:
         self.sparse.settle()  # ordering already holds; this surfaces PS errors early
         with self.busy:
             self._rows = self.sparse.pull(keys, split, batch)
@@ -124,7 +124,7 @@ class PerBatch:
     ) -> None:
         self._grad[part] = grad
 
-    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit, batch: int) -> None:
+    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit | None, batch: int) -> None:
         window.drain()
         with self.busy:
             self.sparse.push(keys, self._grad, batch, split)
@@ -136,7 +136,7 @@ class PerMicroBatch:
     def __init__(self, sparse: SparseRows, busy: Any, batches_ahead: int):
         self.sparse, self.busy, self.batches_ahead = sparse, busy, batches_ahead
 
-    def start_batch(self, keys: np.ndarray, split: KeySplit, batch: int) -> None:
+    def start_batch(self, keys: np.ndarray, split: KeySplit | None, batch: int) -> None:
         pass
 
     def micro_batch(self, size: int, batch_size: int, last: bool) -> tuple[float, bool]:
@@ -151,5 +151,5 @@ class PerMicroBatch:
         self.sparse.push(keys, grad, batch, split)
         self.sparse.settle(_PUSHES_IN_FLIGHT_PER_SHARD * len(self.sparse.ps.shards))
 
-    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit, batch: int) -> None:
+    def end_batch(self, window: Window, keys: np.ndarray, split: KeySplit | None, batch: int) -> None:
         window.retire_to(self.batches_ahead)

@@ -250,12 +250,12 @@ class DataWorker(StageActor):
             if seen < skip:
                 raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
 
-        def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit]:
+        def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit | None]:
             return batch, self.sparse.split(batch["keys"])
 
         return Prefetcher(batches, prepare, thread=self._spare_core)
 
-    def _train_batch(self, batch: dict[str, np.ndarray], split: KeySplit) -> None:
+    def _train_batch(self, batch: dict[str, np.ndarray], split: KeySplit | None) -> None:
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
