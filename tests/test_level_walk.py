@@ -12,6 +12,7 @@ import pytest
 
 from heterps_ray.costmodel import CostModel, Problem, evaluate_plan, load_problem
 from heterps_ray.scheduling import get_scheduler
+from heterps_ray.scheduling.base_levels import BaseLevels
 from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
 from heterps_ray.scheduling.provisioning import provision_counts
 
@@ -95,3 +96,22 @@ def test_the_dp_bound_keeps_the_instance_limits_at_size():
     level = levels.solve(target)
     assert level is not None and level.rate <= level.bound * (1.0 + 1e-7)  # solved to optimality
     assert level.rate * 0.985 <= bound <= level.rate * (1.0 + 1e-9)
+
+
+def test_quick_levels_are_optimal_where_the_counting_dp_fits():
+    """solve_level(quick=True) (what the RL scheduler's level walk uses, issue 26: no Lagrangian, no
+    ILP) finds R*(X) itself wherever its counting DP stays within its states: 64 layers x 6 types, two
+    types limited to 2 instances, levels whose free path breaks the limits together."""
+    problem = generate_problem(6, num_layers=(20, 120), num_types=(3, 8), catalogue="wide")
+    model = CostModel(problem)
+    exact, quick = BaseLevels(model), BaseLevels(model, state_limit=2048)
+    broken = 0
+    for factor in (1.0, 1.1, 1.3, 1.6, 2.0):
+        target = model.floor * factor
+        relaxed = exact.solve_level(target, relaxed=True)
+        solved, fast = exact.solve_level(target), quick.solve_level(target, quick=True)
+        assert relaxed is not None and solved is not None and fast is not None
+        broken += solved.rate > relaxed.rate * (1.0 + REL)
+        assert fast.rate == pytest.approx(solved.rate, rel=REL)
+        assert provision_counts(model, fast.assignment).feasible
+    assert broken >= 3  # the limits bind: the relaxed path is not the answer at most levels

@@ -54,6 +54,13 @@ def amdahl_replicas(tau_ms: Any, alpha: Any, budget_ms: Any) -> Any:
     """The fractional k >= 1 with tau / ((1 - alpha) + alpha / k) = budget_ms, i.e. theta_s(k) equal to
     the target 1000 * B / budget_ms (Amdahl solved for k); inf where no count gets there (the serial
     part alone, (1 - alpha) * tau, exceeds the budget). Floats in, a float out; arrays in, an array out."""
+    if isinstance(tau_ms, float) and isinstance(alpha, float) and isinstance(budget_ms, float):
+        # the same operations on Python floats (same IEEE results): the RL env calls this per type
+        # and layer of every episode, where numpy's per-call overhead was most of a rollout's time
+        if tau_ms <= budget_ms:
+            return 1.0
+        left = budget_ms / tau_ms - (1.0 - alpha)
+        return max(alpha / left if alpha > 0.0 else 1.0, 1.0) if left > 0.0 else math.inf
     tau, a = np.asarray(tau_ms, dtype=np.float64), np.asarray(alpha, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         room = np.asarray(budget_ms) / tau - (1.0 - a)  # allowed value of alpha / k

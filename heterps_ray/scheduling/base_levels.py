@@ -39,6 +39,10 @@ from heterps_ray.scheduling.segment_paths import (
     through,
 )
 
+# one level's PS shards, replicas k[i, j, t], per-type limits left beside the shards, segment rates
+# and the relaxed DP's path (segments (first layer, last layer, type))
+_Tables = tuple[int, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]
+
 DP_STATE_LIMIT = 20_000  # instance-count states of the counting DP; above it: Lagrangian + ILP
 
 
@@ -64,6 +68,7 @@ class BaseLevels(LevelPricing):
         self.counting_solves = 0
         self.ilp_solves = 0
         self._bound: float | None = None
+        self._last: tuple[float, _Tables | None] | None = None  # the last target's tables
 
     def counters(self) -> dict[str, int]:
         return {
@@ -102,34 +107,48 @@ class BaseLevels(LevelPricing):
         k = fewest_replicas(self.model.batch_size, self.tau, self.alpha, target)
         return np.minimum(np.where(self.valid, k, np.inf), 1e12)
 
-    def solve_level(self, target: float, relaxed: bool = False) -> Level | None:
+    def solve_level(self, target: float, relaxed: bool = False, quick: bool = False) -> Level | None:
         """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
 
-        relaxed: each stage within its type's limit, but not their sum (a bound, no ILP)."""
+        relaxed: each stage within its type's limit, but not their sum (a bound, no ILP).
+        quick: a plan within the limits, cheaply and without proof (`_quick_path`); for heuristics
+        that try many levels (rl/level_plans.py), never for the walk. The level's tables are kept,
+        so the same target solved relaxed and then quick builds them once."""
         self.solves += 1
+        tables = self._tables(target)
+        if tables is None:
+            return None
+        m, k, cap, seg_rate, path = tables
+        if relaxed or (self._usage(path, k) <= cap).all():
+            return self._level(path, k, m)
+        constrained = self._quick_path if quick else self._constrained_path
+        within = constrained(seg_rate, k, cap, path)
+        return None if within is None else self._level(within, k, m)
+
+    def _tables(self, target: float) -> _Tables | None:
+        """(shards, k, per-type limits left beside the shards, segment rates, the relaxed DP's path)
+        at `target`, or None when no plan reaches it; the last target's are kept."""
+        if self._last is not None and self._last[0] == target:
+            return self._last[1]
         model = self.model
         reach = target * (1.0 - REACH_RTOL)
+        tables = None
         if model.rows_per_sample > 0.0:
             idx = int(np.searchsorted(self.ps_table, reach, side="left"))
-            if idx >= len(self.shards):
-                return None
         else:
             idx = 0
-        m = int(self.shards[idx])
-        cap = self.cap.copy()
-        cap[model.ps_type] -= m
-        k = self.replicas_needed(reach)
-        seg_ok = k <= cap[None, None, :]
-        seg_rate = np.where(seg_ok, k * model.price[None, None, :], np.inf)
-        path = cheapest_path(seg_rate)[1]
-        if path is None:
-            return None
-        usage = self._usage(path, k)
-        if not relaxed and (usage > cap).any():
-            path = self._constrained_path(seg_rate, k, cap, path)
-            if path is None:
-                return None
-        return self._level(path, k, m)
+        if idx < len(self.shards):
+            m = int(self.shards[idx])
+            cap = self.cap.copy()
+            cap[model.ps_type] -= m
+            k = self.replicas_needed(reach)
+            seg_ok = k <= cap[None, None, :]
+            seg_rate = np.where(seg_ok, k * model.price[None, None, :], np.inf)
+            path = cheapest_path(seg_rate)[1]
+            if path is not None:
+                tables = (m, k, cap, seg_rate, path)
+        self._last = (target, tables)
+        return tables
 
     def _usage(self, path: list[tuple[int, int, int]], k: np.ndarray) -> np.ndarray:
         usage = np.zeros(self.T, dtype=np.int64)
@@ -147,21 +166,47 @@ class BaseLevels(LevelPricing):
 
         First a Lagrangian relaxation of the limits (`_lagrangian`): often a path within them that
         meets its lower bound, which is then optimal. Else the segments its bound excludes are dropped
-        and a DP whose state also counts the instances of the types whose limits the free path breaks
-        solves the rest (adding types until the path keeps every limit: exact, as the untracked limits
-        only relax it). When that state space is too large: the ILP over the same segments."""
+        and the counting DP (`_counted_path`) solves the rest. When that state space is too large: the
+        ILP over the same segments."""
         incumbent, kept = self._lagrangian(seg_rate, k, cap, path)
         if incumbent is not None and kept is None:
             return incumbent  # proven optimal by the Lagrangian bound
         rates = seg_rate if kept is None else np.where(kept, seg_rate, np.inf)
+        counted = self._counted_path(rates, k, cap, path)
+        if counted is TOO_MANY_STATES:
+            return self._ilp(rates, k, cap)
+        if counted is None:
+            return incumbent  # no path among the kept segments beats it (None: no path at all)
+        assert isinstance(counted, list)
+        return counted
+
+    def _quick_path(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]] | None:
+        """A path within max_instances without the Lagrangian or the ILP: the counting DP's
+        (`_counted_path`: the cheapest, when its states stay within state_limit), else the
+        Lagrangian's best path met (or None). No proof either way."""
+        counted = self._counted_path(seg_rate, k, cap, path)
+        if counted is TOO_MANY_STATES:
+            return self._lagrangian(seg_rate, k, cap, path)[0]
+        assert counted is None or isinstance(counted, list)
+        return counted
+
+    def _counted_path(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]] | None | object:
+        """The cheapest path of `seg_rate` within max_instances by the DP that also counts the
+        instances of the types whose limits the free `path` breaks, adding types until its path keeps
+        every limit (exact: the untracked limits only relax it). None: no path keeps them;
+        TOO_MANY_STATES: more than state_limit count states."""
         tracked = sorted(int(t) for t in np.flatnonzero(self._usage(path, k) > cap))
         while True:
-            counted = counted_cheapest_path(rates, k, cap, tracked, self.state_limit)
+            counted = counted_cheapest_path(seg_rate, k, cap, tracked, self.state_limit)
             if counted is TOO_MANY_STATES:
-                return self._ilp(rates, k, cap)
+                return counted
             self.counting_solves += 1
             if counted is None:
-                return incumbent  # no path among the kept segments beats it (None: no path at all)
+                return None
             assert isinstance(counted, list)
             over = np.flatnonzero(self._usage(counted, k) > cap)
             if len(over) == 0:

@@ -8,8 +8,8 @@
 The policy picks a resource type per layer (masked to the types that can run it); exact
 provisioning sets replicas and PS shards. Every plan the policy produces is a candidate: the
 episodes PPO sampled while training, the final policy's greedy plan and plans sampled from it,
-the env's reference plans (single-type and per-layer heuristics) and the level DP's plans at a few
-target throughputs (rl/level_plans.py); the best, optionally hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
+the env's reference plans (single-type and per-layer heuristics) and the plans of exact's level walk
+run with quick levels to a deadline (rl/level_plans.py); the best, optionally hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
 what the policy alone reached ("policy_cost"), so the share of each part stays visible.
 """
 
@@ -99,8 +99,8 @@ class RLConfig:
     zero_shot_polish_s: float = 0.5
     """polishing time when planning with a saved policy without training"""
     level_plans_s: float = 0.4
-    """time for the level DP's plans before polishing (rl/level_plans.py; 0: none); without a
-    polishing deadline (`iterations`) every level is solved"""
+    """time for the level walk's plans before polishing (rl/level_plans.py; 0: none); without a
+    polishing deadline (`iterations`) the walk runs to its end"""
 
     def ppo_config(self, env_config: dict[str, Any], seed: int) -> Any:
         """The RLlib PPOConfig: one local env runner and one local learner, inside the current Ray."""
