@@ -187,7 +187,7 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
     import subprocess
     import sys
 
-    from heterps_ray.profiling.profiler import _Background
+    from heterps_ray.profiling.host_cpu import OtherWork
 
     @ray_local.remote(num_cpus=0)
     def spin(seconds: float) -> None:
@@ -199,18 +199,18 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
     # start from a quiet machine, as a quiet profile does, or their CPU would read as other work here.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        with _Background() as idle:
+        with OtherWork() as idle:
             time.sleep(0.5)
         if idle.cores < 0.2:
             break
     ray_local.get(spin.remote(0.01))  # the worker that runs it is up before the window opens
-    with _Background() as own:  # a task of this cluster: its own work
+    with OtherWork() as own:  # a task of this cluster: its own work
         ray_local.get(spin.remote(1.0))
     assert own.cores < 0.5, (own.cores, idle.cores)
     # a process outside it: started by a shell that exits at once, so it is no descendant of this one
     code = "import time\nend = time.perf_counter() + 1.5\nwhile time.perf_counter() < end: pass"
     subprocess.run(["sh", "-c", f'{sys.executable} -c "{code}" &'], check=True)
-    with _Background() as other:
+    with OtherWork() as other:
         time.sleep(1.0)
     assert other.cores > 0.6, other.cores
     assert other.cpu_ms == pytest.approx(other.cores * 1000.0 * 1.0, rel=0.2)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from heterps_ray.models import build_model
+from heterps_ray.profiling.host_cpu import busy_cpu_s
 
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
 PEER_TIMEOUT_S = 300.0  # a call to a peer actor not answered by then fails the measurement (never hangs)
@@ -102,14 +103,10 @@ class LayerProfiler:
         import psutil
         import ray
 
-        def busy_s() -> float:
-            t = psutil.cpu_times()
-            return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
         me = psutil.Process()
-        own0, all0, t0 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
+        own0, all0, t0 = sum(me.cpu_times()[:2]), busy_cpu_s(), time.perf_counter()
         time.sleep(window_s)
-        own1, all1, t1 = sum(me.cpu_times()[:2]), busy_s(), time.perf_counter()
+        own1, all1, t1 = sum(me.cpu_times()[:2]), busy_cpu_s(), time.perf_counter()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         node = ray.get_runtime_context().get_node_id()
         return node, cores, (t1 - t0) * 1000.0, max((all1 - all0) - (own1 - own0), 0.0) * 1000.0

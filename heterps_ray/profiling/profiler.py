@@ -38,6 +38,7 @@ from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
+from heterps_ray.profiling.host_cpu import OtherWork
 from heterps_ray.profiling.placement import (
     Hosts,
     OwnHosts,
@@ -416,7 +417,7 @@ def _probe_runs(
             caller, callee, split = queue.pop(0)
             label = _probe_label(layers, caller, callee, split, steps)
             bar.set_postfix_str(label)
-            with _Background() as background:
+            with OtherWork() as background:
                 ms = run_probe(job, layers, caller, callee, split, steps)
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
@@ -445,52 +446,6 @@ def _probe_runs(
         bar.close()
         if scratch is not None:
             scratch.cleanup()
-
-
-class _Background:
-    """CPU the driver's machine spent outside this Ray cluster's processes (the driver, and the raylet
-    and workers it started) while the block ran: `cpu_ms`, and `cores` over its wall time. NaN where
-    the cluster is not this driver's own (``--address``): its processes are not this one's children."""
-
-    def __enter__(self) -> _Background:
-        self.cpu_ms = self.cores = math.nan
-        self._own = _own_cpu_s()
-        self._busy, self._t0 = _busy_cpu_s(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        busy, wall = _busy_cpu_s() - self._busy, time.perf_counter() - self._t0
-        own = _own_cpu_s()
-        if self._own is None or own is None or wall <= 0:
-            return
-        # per process: one that exited meanwhile takes its CPU with it, not counted as anyone's
-        spent = sum(cpu - self._own.get(pid, 0.0) for pid, cpu in own.items())
-        self.cpu_ms = max(busy - spent, 0.0) * 1000.0
-        self.cores = self.cpu_ms / 1000.0 / wall
-
-
-def _own_cpu_s() -> dict[int, float] | None:
-    """CPU s of this process and of each of its descendants; None without a raylet among them."""
-    import psutil
-
-    me = psutil.Process()
-    out, raylet = {}, False
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            out[proc.pid] = t.user + t.system
-            raylet = raylet or proc.name() == "raylet"
-        except psutil.Error:  # exited meanwhile
-            continue
-    return out if raylet else None
-
-
-def _busy_cpu_s() -> float:
-    """CPU s the whole machine has spent busy (every core, since boot)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
 def _disagreeing(rows: list[_Row], agree: float) -> list[str]:
