@@ -10,7 +10,7 @@ import ray
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.plan import Plan, PlanStage
 from heterps_ray.profiling.fit import FitResult
-from heterps_ray.profiling.probes import PROBE_STEPS, probe_steps
+from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
 from heterps_ray.runtime import warm
 from heterps_ray.runtime.driver import train
@@ -79,7 +79,13 @@ def run_probe(
         }
     )  # fmt: skip
     summary = train(
-        probe_job, plan, steps=probe_steps(job, steps), progress=False, save=False, evaluation=False
+        probe_job,
+        plan,
+        steps=probe_steps(job, steps),
+        progress=False,
+        save=False,
+        evaluation=False,
+        first_chunk=PROBE_WARMUP,
     )
     rate = summary.steady_throughput or summary.throughput
     return 1000.0 * job.batch_size / rate

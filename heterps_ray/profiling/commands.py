@@ -39,8 +39,8 @@ def register(subparsers: Any) -> None:
         "--probe-steps",
         type=int,
         default=None,
-        help="batches each runtime probe trains (default: two of the dataset's read chunks; --quick: "
-        "no probes, so no call terms)",
+        help="batches each runtime probe trains (default: a short warm-up chunk and one of the dataset's "
+        "read chunks; --quick: no probes, so no call terms)",
     )
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: start an embedded local Ray)"

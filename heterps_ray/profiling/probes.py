@@ -39,6 +39,11 @@ from heterps_ray.config import JobConfig
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
 PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
+# Batches in a probe's warm-up chunk (train(first_chunk=...); a run's is loop.CHUNK_STEPS, 20): on a
+# reused actor it holds the first read chunk's conversion and the first calls, and the batches after
+# it already run at the steady rate (quickstart, per 4 batches: the window from batch 4 within 1% of
+# the one from batch 20, first probes on fresh actors included; BENCHMARKS.md, issue 29).
+PROBE_WARMUP = 4
 ONE_STAGE_AGREE = 0.04  # two one-stage runs further apart than this (of their mean): a third decides
 ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types); a third where they disagree
 
@@ -46,12 +51,11 @@ ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types)
 def probe_steps(job: JobConfig, steps: int = PROBE_STEPS) -> int:
     """Batches a probe trains: `steps`, or (0) the warm-up chunk and one of the dataset's read chunks
     of READ_ROWS rows (a long run pays a chunk's conversion every READ_ROWS rows: the steady window,
-    after the first CHUNK_STEPS batches, holds exactly one; a shorter probe would miss it and read
-    fast), at least 120 (the warm-up chunk and two steady chunks)."""
+    after the first PROBE_WARMUP batches, holds exactly one; a shorter probe would miss it and read
+    fast), at least 100 steady batches (two steady chunks)."""
     from heterps_ray.data.dataset import READ_ROWS
-    from heterps_ray.runtime.loop import CHUNK_STEPS
 
-    return steps or max(120, CHUNK_STEPS + READ_ROWS // job.batch_size)
+    return steps or PROBE_WARMUP + max(100, READ_ROWS // job.batch_size)
 
 
 def probe_plans(

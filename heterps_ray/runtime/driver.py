@@ -43,7 +43,14 @@ from heterps_ray.runtime.checkpoint import (
 )
 from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.finish import accounting, evaluate, save_model
-from heterps_ray.runtime.loop import ChunkLoop, FloorMissed, LiveActors, LoopSettings, steady_rate
+from heterps_ray.runtime.loop import (
+    CHUNK_STEPS,
+    ChunkLoop,
+    FloorMissed,
+    LiveActors,
+    LoopSettings,
+    steady_rate,
+)
 from heterps_ray.runtime.pipeline import StageSpec, check_capacity, check_gpus, resolve_stages
 from heterps_ray.runtime.recovery import Recovery
 from heterps_ray.runtime.snapshots import CheckpointSaver, StateStore, resume_point
@@ -98,6 +105,7 @@ def train(
     floor: float | None = None,
     start_if_none: bool = False,
     evaluation: bool = True,
+    first_chunk: int = CHUNK_STEPS,
 ) -> RunSummary:
     """Run `plan` for `job` on Ray and return its summary.
 
@@ -105,6 +113,7 @@ def train(
     an embedded local Ray with the cluster's resource types as custom resources (stopped at the end).
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
     `evaluation`: False leaves out the eval split's AUC (a runtime probe times training only).
+    `first_chunk`: batches per DataWorker in the warm-up chunk that the steady rate leaves out.
     `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (a checkpoint of
     another plan with as many DataWorkers works too, in both modes: dense weights and optimizer state
     go by layer name, wherever the old or the new plan keeps them, and PS rows are re-sharded).
@@ -174,7 +183,9 @@ def train(
         )
         if save:
             tracker = RunTracker(output_dir, mlflow=job.runtime.mlflow, run_name=job.name)
-        settings = LoopSettings(steps or job.runtime.train_steps, progress, elastic, floor, on_chunk)
+        settings = LoopSettings(
+            steps or job.runtime.train_steps, progress, elastic, floor, on_chunk, first_chunk
+        )
         loop = ChunkLoop(actors, recovery, saver, tracker, settings)
         history = loop.run(start)
         started = _start_timing(ready_s, loop.first_batch_s)

@@ -87,6 +87,7 @@ class LoopSettings:
     elastic: bool = False  # stop at a checkpoint (ResourcesChanged) when resource types change
     floor: float | None = None  # samples/s: stop at a checkpoint (FloorMissed) when the steady rate misses it
     on_chunk: Callable[[LiveActors], None] | None = None  # called between chunks with the live actors
+    first_chunk: int = CHUNK_STEPS  # batches per DataWorker in the first chunk (the warm-up, out of the steady rate)
 
 
 class ChunkLoop:
@@ -134,7 +135,7 @@ class ChunkLoop:
         active = list(range(actors.num_workers))
         busy_prev = actors.stage_stats()
         ps_prev = actors.ps_stats() if tracker is not None else []
-        chunk_steps = CHUNK_STEPS
+        chunk_steps = settings.first_chunk
         seconds = 0.0
         chunks: list[tuple[int, float]] = []  # (samples, seconds) per chunk, for warm-up-free rates
         try:
