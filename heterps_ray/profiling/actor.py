@@ -86,16 +86,20 @@ class LayerProfiler:
                 out[i] = self._fits(*items[i])
         return out
 
-    def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
-        """Run layer `index` forward + backward for about `budget_ms`; returns (calls, ms), for the
-        1- vs 2-replica comparison."""
-        start = time.perf_counter()
-        calls, elapsed = 0, 0.0
-        while calls < 2 or elapsed < budget_ms:
-            self._step(index, batch_size)
-            calls += 1
-            elapsed = (time.perf_counter() - start) * 1000.0
-        return calls, elapsed
+    def run_layers(self, indices: list[int], batch_size: int, budget_ms: float) -> list[tuple[int, float]]:
+        """Run each layer of `indices` in turn forward + backward for about `budget_ms`; returns
+        (calls, ms) per layer, for the 1- vs 2-replica comparison (two actors given the same list at
+        once run the same layer at the same time: one call for every layer, not one per layer)."""
+        out = []
+        for index in indices:
+            start = time.perf_counter()
+            calls, elapsed = 0, 0.0
+            while calls < 2 or elapsed < budget_ms:
+                self._step(index, batch_size)
+                calls += 1
+                elapsed = (time.perf_counter() - start) * 1000.0
+            out.append((calls, elapsed))
+        return out
 
     def host_load(self, window_s: float) -> tuple[str, int, float, float]:
         """(node id, cores this process may use, window ms, CPU ms the rest of the machine used in
@@ -332,8 +336,8 @@ class ProfilingHost:
     ) -> list[tuple[float, float, float, float | None] | None]:
         return self.profiler.time_layers(items, warmup, seed)
 
-    def run_layer(self, index: int, batch_size: int, budget_ms: float) -> tuple[int, float]:
-        return self.profiler.run_layer(index, batch_size, budget_ms)
+    def run_layers(self, indices: list[int], batch_size: int, budget_ms: float) -> list[tuple[int, float]]:
+        return self.profiler.run_layers(indices, batch_size, budget_ms)
 
     def host_load(self, window_s: float) -> tuple[str, int, float, float]:
         return self.profiler.host_load(window_s)

@@ -329,10 +329,9 @@ def measure(
         rows += _host_runs(present, actors, settings, wait, calls=False)  # background: before and at the end
         for rtype in present:
             rows += _layer_rounds(actors[rtype.name], rtype, spec, settings, bar, wait, notes)
-            for index, layer in enumerate(spec.layers):
-                bar.set_postfix_str(f"{rtype.name} {layer.name} 1 vs 2 replicas")
-                rows += _pair_runs(actors[rtype.name], rtype, index, layer.name, pair_batch, settings, wait)
-                bar.update()
+            bar.set_postfix_str(f"{rtype.name} layers, 1 vs 2 replicas")
+            rows += _pair_runs(actors[rtype.name], rtype, spec, pair_batch, settings, wait)
+            bar.update(spec.num_layers)
         rows += _transfer_runs(present, actors, settings, bar, notes, wait)
         bar.set_postfix_str("actors' own work per call")
         rows += _call_runs(present, actors, settings, notes, wait)
@@ -597,29 +596,31 @@ def _call_runs(
 def _pair_runs(
     group: list[Any],
     rtype: ResourceType,
-    index: int,
-    layer: str,
+    spec: ModelSpec,
     batch_size: int,
     settings: ProfileSettings,
     wait: Waiter,
 ) -> list[_Row]:
-    """The same layer for a fixed time on one actor, then on two actors at once: one row per actor
-    with its calls and ms (the fit compares the summed call rates)."""
+    """Each layer for a fixed time on one actor, then on two actors at once (every layer in one call
+    per actor, the two actors in step): one row per (layer, actor) with its calls and ms (the fit
+    compares the summed call rates)."""
     if len(group) < 2:
         return []
-    what = f"{rtype.name} {layer} replicas"
-    wait([a.run_layer.remote(index, batch_size, 0.0) for a in group], what)  # warm both
+    what = f"{rtype.name} layers' replicas"
+    indices = list(range(spec.num_layers))
+    wait([a.run_layers.remote(indices, batch_size, 0.0) for a in group], what)  # warm both
     out = []
     for rep in range(settings.pair_repeats):
         for replicas in (1, 2):
             results = wait(
-                [a.run_layer.remote(index, batch_size, settings.pair_ms) for a in group[:replicas]], what
+                [a.run_layers.remote(indices, batch_size, settings.pair_ms) for a in group[:replicas]], what
             )
-            for calls, ms in results:
-                out.append(
-                    _Row("layer_pair", rtype.name, layer=layer, batch_size=batch_size, replicas=replicas,
-                         calls=calls, repeat=rep, ms=ms)
-                )  # fmt: skip
+            for per_layer in results:
+                for layer, (calls, ms) in zip(spec.layers, per_layer, strict=True):
+                    out.append(
+                        _Row("layer_pair", rtype.name, layer=layer.name, batch_size=batch_size,
+                             replicas=replicas, calls=calls, repeat=rep, ms=ms)
+                    )  # fmt: skip
     return out
 
 

@@ -87,7 +87,7 @@ class LoopSettings:
     elastic: bool = False  # stop at a checkpoint (ResourcesChanged) when resource types change
     floor: float | None = None  # samples/s: stop at a checkpoint (FloorMissed) when the steady rate misses it
     on_chunk: Callable[[LiveActors], None] | None = None  # called between chunks with the live actors
-    first_chunk: int = CHUNK_STEPS  # batches per DataWorker in the first chunk (the warm-up, out of the steady rate)
+    first_chunk: int = CHUNK_STEPS  # batches per DataWorker in the warm-up chunk (not in the steady rate)
 
 
 class ChunkLoop:
