@@ -124,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument("--epochs", type=int, default=30, help="behaviour-cloning epochs per round")
     imitation.add_argument("--bc-lr", type=float, default=1e-3, help="behaviour cloning's Adam step")
     imitation.add_argument("--dagger", type=int, default=2, help="DAgger rounds after behaviour cloning")
+    imitation.add_argument(
+        "--priced", type=int, default=0, help="rounds on the policy's own states labelled by priced completions"
+    )
+    imitation.add_argument("--priced-samples", type=int, default=1, help="sampled episodes per problem and round")
+    imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
+    imitation.add_argument(
+        "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"
+    )
     imitation.add_argument("--ppo-iterations", type=int, default=0, help="PPO iterations after imitation")
     parser.add_argument(
         "--plot", type=Path, default=None, help="only draw --out's training curve into this PNG, then exit"
@@ -197,7 +205,13 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from heterps_ray.scheduling.generator import with_runtime_section
-    from heterps_ray.scheduling.rl.imitation import clone, dagger_states, demonstrations, exact_labels
+    from heterps_ray.scheduling.rl.imitation import (
+        clone,
+        dagger_states,
+        demonstrations,
+        exact_labels,
+        priced_states,
+    )
     from heterps_ray.scheduling.rl.network import PolicyNetwork
 
     torch.set_num_threads(1)
@@ -247,8 +261,9 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
     states = demonstrations(labelled, labels)
     rounds = []
 
-    def fit(name: str) -> None:
-        result = clone(module, states, epochs=args.epochs, lr=args.bc_lr, seed=args.seed)
+    def fit(name: str, epochs: int | None = None) -> None:
+        epochs = args.epochs if epochs is None else epochs
+        result = clone(module, states, epochs=epochs, lr=args.bc_lr, seed=args.seed)
         rounds.append({"round": name, **result, "seconds": round(time.perf_counter() - started, 1)})
         print(json.dumps(rounds[-1]), flush=True)
 
@@ -257,6 +272,17 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
         _wait_while_quiet()
         states = states + dagger_states(module, labelled, labels, seed=args.seed + i)
         fit(f"dagger {i + 1}")
+    for i in range(args.priced):
+        _wait_while_quiet()
+        states = states + priced_states(
+            module,
+            labelled,
+            labels,
+            samples=args.priced_samples,
+            temperature=args.priced_temperature,
+            seed=args.seed + 100 + i,
+        )
+        fit(f"priced {i + 1}", args.priced_epochs)
     metadata = {
         **_metadata(
             config,

@@ -238,3 +238,72 @@ def clone(
             log(epoch + 1, loss_value, accuracy)
     module.eval()
     return {"loss": loss_value, "accuracy": accuracy, "states": float(n)}
+
+
+def priced_states(
+    module: Any,
+    problems: Sequence[Problem],
+    labels: Mapping[str, list[int] | None],
+    samples: int = 1,
+    temperature: float = 0.5,
+    seed: int = 0,
+) -> States:
+    """The states the policy visits itself (its greedy episode and `samples` episodes sampled at
+    `temperature`), each labelled by priced completions: for every type the layer can take, the plan
+    "the policy's prefix, that type, then exact's types for the remaining layers" is provisioned, and
+    the label is the type of the cheapest feasible one (see `_priced_label`; a state where none is
+    feasible gets no label). Unlike exact's type for the layer (`dagger_states`), the label accounts for where the
+    prefix already stands: after a wrong type earlier it picks the type that still meets the floor."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    observations: list[dict[str, np.ndarray]] = []
+    actions: list[int] = []
+    pad = max(p.num_types for p in problems)
+    for problem, assignment in _labelled(problems, labels):
+        view = ProblemView(problem)
+        envs = [SchedulingEnv({"problem": problem, "pad_types": pad}) for _ in range(samples + 1)]
+        current = [env.reset(options={"problem": view})[0] for env in envs]
+        for layer in range(view.num_layers):
+            batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
+            with torch.no_grad():
+                z = module.logits(batch).double().numpy()
+            chosen = [int(np.argmax(z[0]))]
+            for row in z[1:]:
+                y = row / temperature
+                q = np.exp(y - y.max())
+                chosen.append(int(rng.choice(len(q), p=q / q.sum())))
+            suffix = list(assignment[layer + 1 :])
+            for env, obs, row in zip(envs, current, z, strict=True):
+                label = _priced_label(view, env.assignment, suffix, int(np.argmax(row)), assignment[layer])
+                if label is not None:
+                    observations.append(obs)
+                    actions.append(label)
+            current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
+    if not actions:
+        return _stack([_empty_obs(pad)], [0], pad).head(0)
+    return _stack(observations, actions, pad)
+
+
+_TIE_RTOL = 1e-6  # completions within this of the cheapest are as good as it
+
+
+def _priced_label(
+    view: ProblemView, prefix: Sequence[int], suffix: Sequence[int], preferred: int, expert: int
+) -> int | None:
+    """The type whose completion (prefix, type, suffix) is the cheapest feasible plan; among equally
+    cheap ones the policy's own `preferred` type, then exact's; None when no completion is feasible
+    (exact's remaining types cannot make up for the prefix: no label rather than "the fastest")."""
+    costs = {}
+    for t in np.flatnonzero(view.mask[len(prefix)] > 0.5):
+        result = view.record([*prefix, int(t), *suffix])
+        if result.feasible:
+            costs[int(t)] = result.cost
+    if not costs:
+        return None
+    cheapest = min(costs.values())
+    tied = [t for t, c in costs.items() if c <= cheapest * (1.0 + _TIE_RTOL)]
+    for t in (preferred, expert):
+        if t in tied:
+            return t
+    return tied[0]
