@@ -125,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument("--bc-lr", type=float, default=1e-3, help="behaviour cloning's Adam step")
     imitation.add_argument("--dagger", type=int, default=2, help="DAgger rounds after behaviour cloning")
     imitation.add_argument(
-        "--priced", type=int, default=0, help="rounds on the policy's own states labelled by priced completions"
+        "--priced",
+        type=int,
+        default=0,
+        help="rounds on the policy's own states labelled by priced completions",
     )
-    imitation.add_argument("--priced-samples", type=int, default=1, help="sampled episodes per problem and round")
+    imitation.add_argument(
+        "--priced-samples", type=int, default=1, help="sampled episodes per problem and round"
+    )
     imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
     imitation.add_argument(
         "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"

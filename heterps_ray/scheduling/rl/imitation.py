@@ -294,16 +294,16 @@ def _priced_label(
     """The type whose completion (prefix, type, suffix) is the cheapest feasible plan; among equally
     cheap ones the policy's own `preferred` type, then exact's; None when no completion is feasible
     (exact's remaining types cannot make up for the prefix: no label rather than "the fastest")."""
-    costs = {}
-    for t in np.flatnonzero(view.mask[len(prefix)] > 0.5):
-        result = view.record([*prefix, int(t), *suffix])
+    costs: dict[int, float] = {}
+    for t in np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist():
+        result = view.record([*prefix, t, *suffix])
         if result.feasible:
-            costs[int(t)] = result.cost
+            costs[t] = result.cost
     if not costs:
         return None
     cheapest = min(costs.values())
     tied = [t for t, c in costs.items() if c <= cheapest * (1.0 + _TIE_RTOL)]
-    for t in (preferred, expert):
-        if t in tied:
-            return t
+    for choice in (preferred, expert):
+        if choice in tied:
+            return choice
     return tied[0]
