@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument(
         "--priced-samples", type=int, default=1, help="sampled episodes per problem and round"
     )
+    imitation.add_argument(
+        "--priced-own", action="store_true", help="also price completions by the policy's own remaining types"
+    )
     imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
     imitation.add_argument(
         "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"
@@ -272,7 +275,8 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
         rounds.append({"round": name, **result, "seconds": round(time.perf_counter() - started, 1)})
         print(json.dumps(rounds[-1]), flush=True)
 
-    fit("behaviour cloning")
+    if args.epochs > 0:  # 0: a policy cloned before (--init) goes straight to its DAgger / priced rounds
+        fit("behaviour cloning")
     for i in range(args.dagger):
         _wait_while_quiet()
         states = states + dagger_states(module, labelled, labels, seed=args.seed + i)
@@ -286,6 +290,7 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
             samples=args.priced_samples,
             temperature=args.priced_temperature,
             seed=args.seed + 100 + i,
+            own=args.priced_own,
         )
         fit(f"priced {i + 1}", args.priced_epochs)
     metadata = {

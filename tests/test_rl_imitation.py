@@ -103,7 +103,7 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
         runnable = [np.flatnonzero(view.mask[layer] > 0.5) for layer in range(view.num_layers)]
         # on exact's own path the label completes to exact's cost: the optimum
         for layer in range(view.num_layers):
-            label = priced_label(view, expert[:layer], expert[layer + 1 :], -1, expert[layer])
+            label = priced_label(view, expert[:layer], [expert[layer + 1 :]], -1, expert[layer])
             assert view.provision([*expert[:layer], label, *expert[layer + 1 :]]).cost == pytest.approx(
                 optimum
             )
@@ -111,7 +111,7 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
         # feasible one of all types, or no label when none is feasible
         off = view.reference_assignments["cheapest_per_layer"]
         for layer in range(1, view.num_layers):
-            label = priced_label(view, off[:layer], expert[layer + 1 :], -1, expert[layer])
+            label = priced_label(view, off[:layer], [expert[layer + 1 :]], -1, expert[layer])
             done = {
                 int(t): view.provision([*off[:layer], int(t), *expert[layer + 1 :]]) for t in runnable[layer]
             }

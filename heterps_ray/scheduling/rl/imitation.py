@@ -247,13 +247,15 @@ def priced_states(
     samples: int = 1,
     temperature: float = 0.5,
     seed: int = 0,
+    own: bool = True,
 ) -> States:
     """The states the policy visits itself (its greedy episode and `samples` episodes sampled at
-    `temperature`), each labelled by priced completions: for every type the layer can take, the plan
-    "the policy's prefix, that type, then exact's types for the remaining layers" is provisioned, and
-    the label is the type of the cheapest feasible one (see `_priced_label`; a state where none is
-    feasible gets no label). Unlike exact's type for the layer (`dagger_states`), the label accounts for where the
-    prefix already stands: after a wrong type earlier it picks the type that still meets the floor."""
+    `temperature`), each labelled by priced completions: for every type the layer can take, the plans
+    "the policy's prefix, that type, then exact's types for the remaining layers" and (`own`) "... then
+    the policy's own remaining types in that episode" are provisioned, and the label is the type of the
+    cheapest feasible one (see `_priced_label`; a state where none is feasible gets no label). Unlike
+    exact's type for the layer (`dagger_states`), the label accounts for where the prefix already
+    stands: after a wrong type earlier it picks the type that still meets the floor."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -264,7 +266,8 @@ def priced_states(
         view = ProblemView(problem)
         envs = [SchedulingEnv({"problem": problem, "pad_types": pad}) for _ in range(samples + 1)]
         current = [env.reset(options={"problem": view})[0] for env in envs]
-        for layer in range(view.num_layers):
+        visited: list[list[tuple[dict[str, np.ndarray], int]]] = [[] for _ in envs]  # (obs, greedy type)
+        for _ in range(view.num_layers):  # play the episodes first: the label may price their futures
             batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
             with torch.no_grad():
                 z = module.logits(batch).double().numpy()
@@ -273,13 +276,17 @@ def priced_states(
                 y = row / temperature
                 q = np.exp(y - y.max())
                 chosen.append(int(rng.choice(len(q), p=q / q.sum())))
-            suffix = list(assignment[layer + 1 :])
-            for env, obs, row in zip(envs, current, z, strict=True):
-                label = _priced_label(view, env.assignment, suffix, int(np.argmax(row)), assignment[layer])
+            for seen, obs, row in zip(visited, current, z, strict=True):
+                seen.append((obs, int(np.argmax(row))))
+            current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
+        for layer in range(view.num_layers):
+            for env, seen in zip(envs, visited, strict=True):
+                plan, (obs, preferred) = env.assignment, seen[layer]
+                suffixes = [assignment[layer + 1 :]] + ([plan[layer + 1 :]] if own else [])
+                label = _priced_label(view, plan[:layer], suffixes, preferred, assignment[layer])
                 if label is not None:
                     observations.append(obs)
                     actions.append(label)
-            current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
     if not actions:
         return _stack([_empty_obs(pad)], [0], pad).head(0)
     return _stack(observations, actions, pad)
@@ -289,16 +296,21 @@ _TIE_RTOL = 1e-6  # completions within this of the cheapest are as good as it
 
 
 def _priced_label(
-    view: ProblemView, prefix: Sequence[int], suffix: Sequence[int], preferred: int, expert: int
+    view: ProblemView,
+    prefix: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    preferred: int,
+    expert: int,
 ) -> int | None:
-    """The type whose completion (prefix, type, suffix) is the cheapest feasible plan; among equally
-    cheap ones the policy's own `preferred` type, then exact's; None when no completion is feasible
-    (exact's remaining types cannot make up for the prefix: no label rather than "the fastest")."""
+    """The type whose completion (prefix, type, one of `suffixes`) is the cheapest feasible plan; among
+    equally cheap ones the policy's own `preferred` type, then exact's; None when no completion is
+    feasible (the remaining types cannot make up for the prefix: no label rather than "the fastest")."""
     costs: dict[int, float] = {}
     for t in np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist():
-        result = view.record([*prefix, t, *suffix])
-        if result.feasible:
-            costs[t] = result.cost
+        for suffix in suffixes:
+            result = view.record([*prefix, t, *suffix])
+            if result.feasible and result.cost < costs.get(t, math.inf):
+                costs[t] = result.cost
     if not costs:
         return None
     cheapest = min(costs.values())
