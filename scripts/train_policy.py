@@ -23,7 +23,9 @@ ASHA stops the trials behind; the best trial that ran the full length wins. The 
 `--imitate` teaches the policy exact's plans instead (rl/imitation.py): exact labels every pool problem
 (`--runtime-share` of them given the runtime section `heterps profile` writes; labels cached in --labels,
 so a rerun only solves new problems), behaviour cloning on exact's episodes, `--dagger` rounds on the
-policy's own states, then `--ppo-iterations` of PPO on the reward (0: none).
+policy's own states (labelled with exact's type), `--priced` rounds on them (labelled with the type whose
+completion by exact's remaining types is the cheapest plan meeting the floor; the shipped policy, see
+BENCHMARKS.md), then `--ppo-iterations` of PPO on the reward (0: none).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
 

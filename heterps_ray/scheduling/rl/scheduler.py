@@ -92,7 +92,7 @@ class RLConfig:
     """plans sampled from the final policy (besides its greedy plan) as candidates"""
     rollout_temperature: float = 0.5
     """softmax temperature of those samples: below 1 they stay near the greedy plan and differ where
-    the policy hesitates (issue 26: policy alone 1.12 against 1.18 at 1 on the wide suite)"""
+    the policy hesitates (issue 26: the cloned policy alone 1.12 against 1.18 at 1 on the wide suite)"""
     polish: bool = True
     """hill-climb from the best plans found (re-type a layer or a stage); see rl/polish.py"""
     polish_starts: int = 4
