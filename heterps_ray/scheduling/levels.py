@@ -166,13 +166,14 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
     best: Found | None = None
     known = 0.0
 
-    def consider(assignment: tuple[int, ...] | None) -> None:
+    def consider(assignment: tuple[int, ...] | None, keep: bool = True) -> None:
         nonlocal best, known
         if assignment is None:
             return
         counts = provision_counts(model, assignment)
         known = max(known, counts.max_throughput)
-        pricing.remember(assignment, counts.max_throughput)
+        if keep:
+            pricing.remember(assignment, counts.max_throughput)
         if counts.feasible and (best is None or counts.cost < best[1].cost):
             best = (assignment, counts)
 
@@ -186,8 +187,12 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
         proof.stop = "no plan reaches the floor (lower bound)"
         return best
     theta_max = pricing.throughput_bound(max(known, target, 1e-9))
+    # the scout's many fast plans would crowd the pool of level candidates (the fastest kept): only the
+    # cheapest of them joins it
     for assignment in pricing.scout(max(target, 1e-9), theta_max):
-        consider(assignment)
+        consider(assignment, keep=False)
+    if best is not None:
+        pricing.remember(best[0], best[1].max_throughput)
     to_cost = model.samples / S_PER_HOUR
     ratio_failed_at = 0.0
     while target <= theta_max * (1.0 + STEP_RTOL):
