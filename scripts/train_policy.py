@@ -23,7 +23,9 @@ ASHA stops the trials behind; the best trial that ran the full length wins. The 
 `--imitate` teaches the policy exact's plans instead (rl/imitation.py): exact labels every pool problem
 (`--runtime-share` of them given the runtime section `heterps profile` writes; labels cached in --labels,
 so a rerun only solves new problems), behaviour cloning on exact's episodes, `--dagger` rounds on the
-policy's own states, then `--ppo-iterations` of PPO on the reward (0: none).
+policy's own states (labelled with exact's type), `--priced` rounds on them (labelled with the type whose
+completion by exact's remaining types is the cheapest plan meeting the floor; the shipped policy, see
+BENCHMARKS.md), then `--ppo-iterations` of PPO on the reward (0: none).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
 
@@ -124,6 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument("--epochs", type=int, default=30, help="behaviour-cloning epochs per round")
     imitation.add_argument("--bc-lr", type=float, default=1e-3, help="behaviour cloning's Adam step")
     imitation.add_argument("--dagger", type=int, default=2, help="DAgger rounds after behaviour cloning")
+    imitation.add_argument(
+        "--priced",
+        type=int,
+        default=0,
+        help="rounds on the policy's own states labelled by priced completions",
+    )
+    imitation.add_argument(
+        "--priced-samples", type=int, default=1, help="sampled episodes per problem and round"
+    )
+    imitation.add_argument(
+        "--priced-own", action="store_true", help="also price completions by the policy's own remaining types"
+    )
+    imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
+    imitation.add_argument(
+        "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"
+    )
     imitation.add_argument("--ppo-iterations", type=int, default=0, help="PPO iterations after imitation")
     parser.add_argument(
         "--plot", type=Path, default=None, help="only draw --out's training curve into this PNG, then exit"
@@ -197,7 +215,13 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from heterps_ray.scheduling.generator import with_runtime_section
-    from heterps_ray.scheduling.rl.imitation import clone, dagger_states, demonstrations, exact_labels
+    from heterps_ray.scheduling.rl.imitation import (
+        clone,
+        dagger_states,
+        demonstrations,
+        exact_labels,
+        priced_states,
+    )
     from heterps_ray.scheduling.rl.network import PolicyNetwork
 
     torch.set_num_threads(1)
@@ -247,16 +271,30 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
     states = demonstrations(labelled, labels)
     rounds = []
 
-    def fit(name: str) -> None:
-        result = clone(module, states, epochs=args.epochs, lr=args.bc_lr, seed=args.seed)
+    def fit(name: str, epochs: int | None = None) -> None:
+        epochs = args.epochs if epochs is None else epochs
+        result = clone(module, states, epochs=epochs, lr=args.bc_lr, seed=args.seed)
         rounds.append({"round": name, **result, "seconds": round(time.perf_counter() - started, 1)})
         print(json.dumps(rounds[-1]), flush=True)
 
-    fit("behaviour cloning")
+    if args.epochs > 0:  # 0: a policy cloned before (--init) goes straight to its DAgger / priced rounds
+        fit("behaviour cloning")
     for i in range(args.dagger):
         _wait_while_quiet()
         states = states + dagger_states(module, labelled, labels, seed=args.seed + i)
         fit(f"dagger {i + 1}")
+    for i in range(args.priced):
+        _wait_while_quiet()
+        states = states + priced_states(
+            module,
+            labelled,
+            labels,
+            samples=args.priced_samples,
+            temperature=args.priced_temperature,
+            seed=args.seed + 100 + i,
+            own=args.priced_own,
+        )
+        fit(f"priced {i + 1}", args.priced_epochs)
     metadata = {
         **_metadata(
             config,

@@ -13,12 +13,14 @@ from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
 from heterps_ray.scheduling.rl import ProblemView, greedy_rollout
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
+from heterps_ray.scheduling.rl.imitation import _priced_label as priced_label
 from heterps_ray.scheduling.rl.imitation import (
     clone,
     dagger_states,
     demonstrations,
     exact_assignment,
     exact_labels,
+    priced_states,
 )
 from heterps_ray.scheduling.rl.network import PolicyNetwork
 from heterps_ray.scheduling.rl.policy import load_planning_policy
@@ -90,13 +92,49 @@ def test_cloning_exact_teaches_an_untrained_policy_its_plans():
     assert bool((module.value[0].weight == value_before).all())  # only the scoring layers learn
 
 
+def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_policy_stands():
+    problems = _problems(4, seed=60)
+    labels = exact_labels(problems)
+    checked = 0
+    for problem in problems:
+        view = ProblemView(problem)
+        expert = labels[problem_fingerprint(problem)]
+        optimum = view.provision(expert).cost
+        runnable = [np.flatnonzero(view.mask[layer] > 0.5) for layer in range(view.num_layers)]
+        # on exact's own path the label completes to exact's cost: the optimum
+        for layer in range(view.num_layers):
+            label = priced_label(view, expert[:layer], [expert[layer + 1 :]], -1, expert[layer])
+            assert view.provision([*expert[:layer], label, *expert[layer + 1 :]]).cost == pytest.approx(
+                optimum
+            )
+        # off it (the prefix of the cheapest-per-layer plan): the label's completion is the cheapest
+        # feasible one of all types, or no label when none is feasible
+        off = view.reference_assignments["cheapest_per_layer"]
+        for layer in range(1, view.num_layers):
+            label = priced_label(view, off[:layer], [expert[layer + 1 :]], -1, expert[layer])
+            done = {
+                int(t): view.provision([*off[:layer], int(t), *expert[layer + 1 :]]) for t in runnable[layer]
+            }
+            feasible = {t: p.cost for t, p in done.items() if p.feasible}
+            if not feasible:
+                assert label is None
+                continue
+            checked += 1
+            assert done[label].feasible and done[label].cost == pytest.approx(min(feasible.values()))
+    assert checked > 0
+    module = PolicyNetwork(len(TYPE_FEATURES), len(CONTEXT_FEATURES), 32, 16)
+    states = priced_states(module, problems, labels, samples=2, seed=1)
+    assert 0 < len(states) <= 3 * sum(p.num_layers for p in problems)
+    assert all(states.observations["action_mask"][i, a] == 1.0 for i, a in enumerate(states.actions))
+
+
 def test_train_policy_imitate_writes_a_policy_that_plans(tmp_path):
     import train_policy
 
     labels, out = tmp_path / "labels.json", tmp_path / "policy"
     argv = [
         "--imitate", "--pool", "6", "--layers", "4,8", "--types", "2,3", "--runtime-share", "0.5",
-        "--labels", str(labels), "--epochs", "2", "--dagger", "1", "--out", str(out),
+        "--labels", str(labels), "--epochs", "2", "--dagger", "1", "--priced", "1", "--out", str(out),
     ]  # fmt: skip
     assert train_policy.main(argv) == 0
     cached = json.loads(labels.read_text())
@@ -105,6 +143,7 @@ def test_train_policy_imitate_writes_a_policy_that_plans(tmp_path):
     assert meta["imitation"]["labelled"] == 6 and [r["round"] for r in meta["imitation"]["rounds"]] == [
         "behaviour cloning",
         "dagger 1",
+        "priced 1",
     ]
     assert meta["command"].startswith("python scripts/train_policy.py --imitate")
     policy = load_planning_policy(out)  # numpy twin, as zero-shot planning reads it

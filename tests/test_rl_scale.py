@@ -250,7 +250,7 @@ def test_a_policy_pt_replaced_alone_is_what_planning_uses(tmp_path):
 
 
 def test_level_plans_reach_exacts_optimum_where_the_policy_and_local_moves_do_not():
-    # 58 layers x 4 types: the shipped policy alone is 1.18x exact here, polished 1.05x (issue 26)
+    # 58 layers x 4 types: the issue-26 cloned policy alone was 1.18x exact here (the priced one 1.05x)
     problem = generate_problem(36, num_layers=(20, 120), num_types=(3, 8), catalogue="wide")
     exact = get_scheduler("exact").schedule(problem)
     view = ProblemView(problem)

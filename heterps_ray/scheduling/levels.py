@@ -42,6 +42,9 @@ from heterps_ray.costmodel.pricing import monetary_cost
 from heterps_ray.scheduling.provisioning import STEP_RTOL, Provisioned, provision_counts
 
 RATIO_CHECK = 1.05  # the ratio bound's stop is tried where lb(X) N / 3600 / X is this far above the cost
+# and, after it failed at X, not again below RATIO_RETRY X (it costs a bound's time; a stop not tried
+# only lets the walk go on, it never proves anything)
+RATIO_RETRY = 1.1
 SOLVER_RTOL = 1e-7  # a level whose solver plan misses it within HiGHS' tolerances: the walk steps this far
 TIME_LIMIT = "time limit"  # Proof.stop when the deadline ended the search: the plan is not proven
 
@@ -135,6 +138,12 @@ class LevelPricing(ABC):
         may state a tighter one."""
         return 0.0 if math.isinf(high) else self.lower_bound(low)[0] / high
 
+    def scout(self, low: float, high: float) -> list[tuple[int, ...]]:
+        """Assignments worth pricing as incumbents before the walk, from levels between `low` and `high`
+        (no proof rests on them: each is provisioned exactly and only ever lowers the best cost). A
+        cheap incumbent early makes every skip longer and every stop sooner. This one: none."""
+        return []
+
     @abstractmethod
     def throughput_bound(self, known: float) -> float:
         """An upper bound on every plan's throughput, from a throughput `known` to be reached."""
@@ -157,13 +166,14 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
     best: Found | None = None
     known = 0.0
 
-    def consider(assignment: tuple[int, ...] | None) -> None:
+    def consider(assignment: tuple[int, ...] | None, keep: bool = True) -> None:
         nonlocal best, known
         if assignment is None:
             return
         counts = provision_counts(model, assignment)
         known = max(known, counts.max_throughput)
-        pricing.remember(assignment, counts.max_throughput)
+        if keep:
+            pricing.remember(assignment, counts.max_throughput)
         if counts.feasible and (best is None or counts.cost < best[1].cost):
             best = (assignment, counts)
 
@@ -177,7 +187,14 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
         proof.stop = "no plan reaches the floor (lower bound)"
         return best
     theta_max = pricing.throughput_bound(max(known, target, 1e-9))
+    # the scout's many fast plans would crowd the pool of level candidates (the fastest kept): only the
+    # cheapest of them joins it
+    for assignment in pricing.scout(max(target, 1e-9), theta_max):
+        consider(assignment, keep=False)
+    if best is not None:
+        pricing.remember(best[0], best[1].max_throughput)
     to_cost = model.samples / S_PER_HOUR
+    ratio_failed_at = 0.0
     while target <= theta_max * (1.0 + STEP_RTOL):
         if pricing.out_of_time():
             return best
@@ -195,12 +212,17 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
                 proof.bound = monetary_cost(lb, model.samples, theta_max)
                 break
             # stop: every plan at or above the level costs R / Θ · N / 3600 >= the ratio bound's
-            if target > 0.0 and monetary_cost(lb, model.samples, target) >= best[1].cost * RATIO_CHECK:
+            if (
+                target > 0.0
+                and target >= ratio_failed_at * RATIO_RETRY
+                and monetary_cost(lb, model.samples, target) >= best[1].cost * RATIO_CHECK
+            ):
                 ratio = pricing.ratio_bound(target, math.inf) * to_cost
                 if ratio >= best[1].cost:
                     proof.stop = "ratio bound above the level >= cost"
                     proof.bound = ratio
                     break
+                ratio_failed_at = target  # not tried again until the level is RATIO_RETRY above
             # skip: a plan with target <= Θ < skip_to costs >= lb · N / 3600 / Θ > the best cost
             skip_to = lb * to_cost / best[1].cost
             if skip_to > target * (1.0 + STEP_RTOL):

@@ -59,6 +59,7 @@ from heterps_ray.costmodel import CostModel
 from heterps_ray.costmodel.formulas import (
     BYTES_PER_MS_PER_GBPS,
     MS_PER_S,
+    S_PER_HOUR,
     fewest_replicas,
     stage_throughput,
 )
@@ -69,6 +70,9 @@ from heterps_ray.scheduling.runtime_ilp import ROW_SLACK, solve_case
 from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
 _HUGE = 1e12  # replicas standing in for "no count reaches the level"
+SCOUT_POINTS = 20  # levels `scout` prices between the floor and the throughput bound
+SCOUT_REFINE = 8  # more levels between the neighbours of the most promising of them
+SCOUT_STOP = 1.25  # `scout` stops rising where the level's bound per sample/s is this far above a plan met
 
 
 class RuntimeLevels(LevelPricing):
@@ -361,6 +365,51 @@ class RuntimeLevels(LevelPricing):
                 if path is not None:
                     out.append(assignment_of(path))
         return list(dict.fromkeys(out))
+
+    def scout(self, low: float, high: float) -> list[tuple[int, ...]]:
+        """Incumbents for the walk (no proof rests on them): the relaxations' optima and `_heuristic`'s
+        plans at SCOUT_POINTS levels spread geometrically over [low, high], then SCOUT_REFINE more
+        between the neighbours of the level whose plans were cheapest. At size the cheapest plan can
+        sit far above the floor (120 layers x 8 types: at 4-5x it), where the walk arrives late; a
+        cost near the optimum from the start lengthens every skip (issue 26: 120x8 seed 1 went from
+        unproven at 60 s to proven). About 0.15 s a level at 120 x 8. The limits' warm starts are put
+        back as they were: the walk's bounds do not depend on the scouting."""
+        if not (math.isfinite(high) and high > low > 0.0):
+            return []
+        saved = {key: mu.copy() for key, mu in self._mu.items()}
+        found: list[tuple[int, ...]] = []
+        seen: list[tuple[float, float, float]] = []  # (level, its bound per sample/s, its cheapest plan)
+
+        def visit(target: float) -> bool:
+            if self.out_of_time():
+                return False
+            lb, paths = self.lower_bound(target)
+            if not math.isfinite(lb):  # no plan reaches it, nor any level above it
+                return False
+            plans = list(dict.fromkeys(paths + self._heuristic(target)))
+            found.extend(plans)
+            priced = (provision_counts(self.model, a) for a in plans)
+            seen.append((target, lb / target, min((p.cost for p in priced if p.feasible), default=math.inf)))
+            return True
+
+        to_cost = self.model.samples / S_PER_HOUR
+        for target in np.geomspace(low, high, SCOUT_POINTS):
+            if not visit(float(target)):
+                break
+            if seen[-1][1] * to_cost >= SCOUT_STOP * min(c for _, _, c in seen):
+                break  # the levels above are dearer per sample/s than plans already met: not worth it
+        # refine around the level with the lowest bound per sample/s (where cheap plans can be) and
+        # around the one whose plans were cheapest
+        levels = [x for x, _, _ in seen]
+        bound_at = min(range(len(seen)), key=lambda i: seen[i][1], default=None)
+        cheapest_at = min(range(len(seen)), key=lambda i: seen[i][2], default=None)
+        for i in sorted({i for i in (bound_at, cheapest_at) if i is not None}):
+            near = np.geomspace(levels[max(i - 1, 0)], levels[min(i + 1, len(levels) - 1)], SCOUT_REFINE + 2)
+            for target in near[1:-1]:
+                if not visit(float(target)):
+                    break
+        self._mu, self._memo = saved, None
+        return list(dict.fromkeys(found))
 
     def rate_at(self, assignment: tuple[int, ...], target: float) -> tuple[float, float]:
         """(the fewest $/hour at which `assignment` reaches `target` within max_instances, the

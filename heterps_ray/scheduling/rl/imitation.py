@@ -165,32 +165,49 @@ def dagger_states(
 ) -> States:
     """The states the policy visits itself (its greedy episode and `samples` sampled ones per problem),
     each labelled with exact's type for that layer (or, where the layer's state masks it, none: skipped)."""
-    import torch
-
     rng = np.random.default_rng(seed)
     observations: list[dict[str, np.ndarray]] = []
     actions: list[int] = []
     pad = max(p.num_types for p in problems)
     for problem, assignment in _labelled(problems, labels):
-        view = ProblemView(problem)
-        envs = [SchedulingEnv({"problem": problem, "pad_types": pad}) for _ in range(samples + 1)]
-        current = [env.reset(options={"problem": view})[0] for env in envs]
-        for layer in range(view.num_layers):
-            batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
-            with torch.no_grad():
-                z = module.logits(batch).double().numpy()
-            z = np.exp(z - z.max(axis=-1, keepdims=True))
-            p = z / z.sum(axis=-1, keepdims=True)
-            chosen = [int(np.argmax(p[0]))] + [int(rng.choice(len(q), p=q / q.sum())) for q in p[1:]]
+        _, steps = _episodes(module, ProblemView(problem), pad, samples, 1.0, rng)
+        for layer, (current, _, chosen) in enumerate(steps):
             target = assignment[layer]
             for obs, action in zip(current, chosen, strict=True):
                 if obs["action_mask"][target] > 0.5 and action != target:
                     observations.append(obs)  # a state where the policy leaves exact's plan
                     actions.append(target)
-            current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
     if not actions:
         return _stack([_empty_obs(pad)], [0], pad).head(0)
     return _stack(observations, actions, pad)
+
+
+Step = tuple[list[dict[str, np.ndarray]], list[int], list[int]]  # per episode: observation, greedy, chosen
+
+
+def _episodes(
+    module: Any, view: ProblemView, pad: int, samples: int, temperature: float, rng: np.random.Generator
+) -> tuple[list[SchedulingEnv], list[Step]]:
+    """The policy's greedy episode and `samples` episodes sampled at `temperature`, played in lockstep:
+    the finished envs (their `assignment`s) and, per layer, what each episode saw and did."""
+    import torch
+
+    envs = [SchedulingEnv({"problem": view.problem, "pad_types": pad}) for _ in range(samples + 1)]
+    current = [env.reset(options={"problem": view})[0] for env in envs]
+    steps: list[Step] = []
+    for _ in range(view.num_layers):
+        batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
+        with torch.no_grad():
+            z = module.logits(batch).double().numpy()
+        greedy = [int(np.argmax(row)) for row in z]
+        chosen = greedy[:1]
+        for row in z[1:]:
+            y = row / temperature
+            q = np.exp(y - y.max())
+            chosen.append(int(rng.choice(len(q), p=q / q.sum())))
+        steps.append((current, greedy, chosen))
+        current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
+    return envs, steps
 
 
 def _empty_obs(pad: int) -> dict[str, np.ndarray]:
@@ -238,3 +255,69 @@ def clone(
             log(epoch + 1, loss_value, accuracy)
     module.eval()
     return {"loss": loss_value, "accuracy": accuracy, "states": float(n)}
+
+
+def priced_states(
+    module: Any,
+    problems: Sequence[Problem],
+    labels: Mapping[str, list[int] | None],
+    samples: int = 1,
+    temperature: float = 0.5,
+    seed: int = 0,
+    own: bool = True,
+) -> States:
+    """The states the policy visits itself (its greedy episode and `samples` episodes sampled at
+    `temperature`), each labelled by priced completions: for every type the layer can take, the plans
+    "the policy's prefix, that type, then exact's types for the remaining layers" and (`own`) "... then
+    the policy's own remaining types in that episode" are provisioned, and the label is the type of the
+    cheapest feasible one (see `_priced_label`; a state where none is feasible gets no label). Unlike
+    exact's type for the layer (`dagger_states`), the label accounts for where the prefix already
+    stands: after a wrong type earlier it picks the type that still meets the floor."""
+    rng = np.random.default_rng(seed)
+    observations: list[dict[str, np.ndarray]] = []
+    actions: list[int] = []
+    pad = max(p.num_types for p in problems)
+    for problem, assignment in _labelled(problems, labels):
+        view = ProblemView(problem)
+        # the episodes are played first: a label may price an episode's future (`own`)
+        envs, steps = _episodes(module, view, pad, samples, temperature, rng)
+        for layer, (current, greedy, _) in enumerate(steps):
+            for env, obs, preferred in zip(envs, current, greedy, strict=True):
+                plan = env.assignment
+                suffixes = [assignment[layer + 1 :]] + ([plan[layer + 1 :]] if own else [])
+                label = _priced_label(view, plan[:layer], suffixes, preferred, assignment[layer])
+                if label is not None:
+                    observations.append(obs)
+                    actions.append(label)
+    if not actions:
+        return _stack([_empty_obs(pad)], [0], pad).head(0)
+    return _stack(observations, actions, pad)
+
+
+_TIE_RTOL = 1e-6  # completions within this of the cheapest are as good as it
+
+
+def _priced_label(
+    view: ProblemView,
+    prefix: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
+    preferred: int,
+    expert: int,
+) -> int | None:
+    """The type whose completion (prefix, type, one of `suffixes`) is the cheapest feasible plan; among
+    equally cheap ones the policy's own `preferred` type, then exact's; None when no completion is
+    feasible (the remaining types cannot make up for the prefix: no label rather than "the fastest")."""
+    costs: dict[int, float] = {}
+    for t in np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist():
+        for suffix in suffixes:
+            result = view.record([*prefix, t, *suffix])
+            if result.feasible and result.cost < costs.get(t, math.inf):
+                costs[t] = result.cost
+    if not costs:
+        return None
+    cheapest = min(costs.values())
+    tied = [t for t, c in costs.items() if c <= cheapest * (1.0 + _TIE_RTOL)]
+    for choice in (preferred, expert):
+        if choice in tied:
+            return choice
+    return tied[0]
