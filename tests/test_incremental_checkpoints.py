@@ -29,6 +29,16 @@ from heterps_ray.runtime.driver import train
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
 TOTAL, STOP, EVERY = 12, 6, 2  # batches of the whole run, where the first part stops, checkpoint period
+# Runs on separate actor sets agree to a few float32 ulps, not always bit for bit: about one full-file
+# run in five, one of two such runs takes a second, reproducible trajectory (the same odd loss, e.g.
+# 0.6772370636463165 for 0.6772370040416718 at batch 4; CI on d38ec2b), in hosted and in actor shards
+# alike. The cause is not found yet (not alignment, not BLAS threads); a wrong restore or rollback
+# differs by orders of magnitude more than this.
+ATOL = 1e-6
+
+
+def _assert_close(actual, expected, err_msg: str = "") -> None:
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=ATOL, err_msg=err_msg)
 
 
 def _step(run: Path, step: int) -> Path:
@@ -141,9 +151,10 @@ def _assert_same_model(a: Path, b: Path) -> None:
     dense_b, rows_b = _final_model(b)
     assert dense_a.keys() == dense_b.keys()
     for name in dense_a:
-        np.testing.assert_array_equal(dense_b[name], dense_a[name], err_msg=name)
-    for name in ("keys", "weights", "accumulators"):
-        np.testing.assert_array_equal(rows_b[name], rows_a[name], err_msg=name)
+        _assert_close(dense_b[name], dense_a[name], err_msg=name)
+    np.testing.assert_array_equal(rows_b["keys"], rows_a["keys"])
+    for name in ("weights", "accumulators"):
+        _assert_close(rows_b[name], rows_a[name], err_msg=name)
 
 
 def _one_stage_plan(tmp_path: Path) -> Path:
@@ -186,9 +197,10 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
         shard.restore_chain([str(_step(run, s) / f"ps-shard-{i:05d}.npz") for s in (2, 4, 6)])
         full = PSShard(i, 2, {"embedding": spec})
         full.restore(str(_step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz"))
+        rebuilt, uninterrupted = shard.state(), full.state()
         for name in ("keys", "weights", "accumulators"):
-            np.testing.assert_array_equal(
-                shard.state()[f"sparse/embedding/{name}"], full.state()[f"sparse/embedding/{name}"]
+            _assert_close(
+                rebuilt[f"sparse/embedding/{name}"], uninterrupted[f"sparse/embedding/{name}"], name
             )
         assert (_step(run, STOP) / f"ps-shard-{i:05d}.npz").stat().st_size < (
             _step(whole_dir, STOP) / f"ps-shard-{i:05d}.npz"
@@ -200,7 +212,7 @@ def test_a_run_resumed_from_a_chain_equals_the_uninterrupted_run(ray_local, data
         _job(dataset, run, full_every=3, hosting="actors"), plan, steps=TOTAL, progress=False, resume=True
     )
     assert resumed.extra["resumed_from"]["step"] == STOP
-    assert resumed.losses == whole.losses
+    _assert_close(resumed.losses, whole.losses)
     _assert_same_model(whole_dir, run)
     # the restored chain (2, 4, 6) held 3 = checkpoint_full_every links: step 8 starts a new one, and
     # once the newest two build on it, the old chain is removed
@@ -302,7 +314,7 @@ def test_a_shard_dying_inside_a_delta_checkpoint_rolls_back_to_the_chain_before(
     summary = train(job, load_plan(PLAN), steps=TOTAL, progress=False, on_chunk=killer)
     (fault,) = summary.extra["faults"]
     assert fault["rolled_back_to"] == 4 and fault["recovery_point"].endswith("step-00000004")
-    assert summary.losses == whole.losses
+    _assert_close(summary.losses, whole.losses)
     _assert_same_model(Path(whole.output_dir), tmp_path / "run")
     assert [link["id"] for link in _manifest(_step(tmp_path / "run", TOTAL))["chain"]] == [
         f"step-{s:08d}" for s in (2, 4, 6, 8, 10)
