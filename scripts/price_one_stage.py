@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from heterps_ray.config import JobConfig, load_job
+from heterps_ray.config import load_job
 from heterps_ray.costmodel import CostModel, load_problem
+from heterps_ray.runtime.reference import reference_rate
 
 REFERENCE_STEPS = 256  # batches per reference window: two of the data's read chunks at batch 512 (each one conversion)
 
@@ -48,7 +49,7 @@ def take(job_path: str, out: Path, count: int) -> tuple[list[str], list[float]]:
     after each; returns the problem files and the references (samples/s)."""
     job = load_job(job_path)
     out.mkdir(parents=True, exist_ok=True)
-    references = [reference_rate(job)]
+    references = [reference_rate(job, REFERENCE_STEPS)]
     print(f"reference {time.strftime('%H:%M:%S')}: {references[-1]:,.0f} samples/s", flush=True)
     paths = []
     for i in range(1, count + 1):
@@ -59,28 +60,9 @@ def take(job_path: str, out: Path, count: int) -> tuple[list[str], list[float]]:
         if done.returncode:
             raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-2000:]}")
         paths.append(path)
-        references.append(reference_rate(job))
+        references.append(reference_rate(job, REFERENCE_STEPS))
         print(f"reference {time.strftime('%H:%M:%S')}: {references[-1]:,.0f} samples/s", flush=True)
     return paths, references
-
-
-def reference_rate(job: JobConfig, steps: int = REFERENCE_STEPS) -> float:
-    """samples/s of the plain one-process loop (runtime.reference, 2 torch threads) on the job's data,
-    after 20 warm-up batches."""
-    import torch
-
-    from heterps_ray.data.dataset import Dataset
-    from heterps_ray.runtime.reference import ReferenceTrainer
-
-    torch.set_num_threads(2)
-    trainer = ReferenceTrainer.for_job(job)
-    batches = Dataset(job.data.path).iter_batches("train", job.batch_size)
-    for _ in range(20):
-        trainer.train_step(next(batches))
-    started = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(next(batches))
-    return steps * job.batch_size / (time.perf_counter() - started)
 
 
 def report(paths: list[str], references: list[float]) -> None:
