@@ -65,21 +65,9 @@ def main() -> None:
 
 def _reference(job: Any, steps: int) -> float:
     """samples/s of the one-process reference trainer (2 torch threads) on the job's data."""
-    import torch
+    from heterps_ray.runtime.reference import reference_rate
 
-    from heterps_ray.data.dataset import Dataset
-    from heterps_ray.models import build_model
-    from heterps_ray.runtime.reference import ReferenceTrainer
-
-    torch.set_num_threads(2)
-    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
-    batches = Dataset(job.data.path).iter_batches("train", job.batch_size)
-    for _ in range(20):
-        trainer.train_step(next(batches))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(next(batches))
-    return steps * job.batch_size / (time.perf_counter() - t0)
+    return reference_rate(job, steps)
 
 
 def _run(job: Any, factor: float, floor: float, out: Path, steps: int | None) -> dict[str, Any]:

@@ -17,23 +17,33 @@ rather than a few seconds of it. What moves a one-stage run most is the machine'
 runs (a burst of other work, a drift of its speed), common to the runs beside it; three runs apart
 give a median that one disturbed run does not move. So a type whose two runs disagree by more than
 :data:`ONE_STAGE_AGREE` gets a third at the end (where they agree, the median of three would lie
-between them), and a run that the profile saw other work beside is taken again (profiler.py). Their
-spread is the profile's own: the problem keeps it (``runtime.spread``).
+between them), and a run that the profile saw other work beside is taken again
+(:func:`probe_runs`). Their spread is the profile's own: the problem keeps it (``runtime.spread``).
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
 ends in `layer` (the last layer of the first stage). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted layers,
 bytes and input explain; the remainder is the term.
 
-This module says what to probe. Running a probe trains with the runtime, which sits above profiling:
-the runner is passed in (:data:`ProbeRunner`; heterps_ray.closedloop.probes.run_probe).
+This module says what to probe and runs the profile's probe phase (:func:`probe_runs`, called by
+profiler.py after the layer timings). Running one probe trains with the runtime, which sits above
+profiling: the runner is passed in (:data:`ProbeRunner`; heterps_ray.closedloop.probes.run_probe).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from heterps_ray.config import JobConfig
+from heterps_ray.data.layout import is_dataset
+from heterps_ray.models import ModelSpec
+from heterps_ray.profiling.host_cpu import OtherWork
+from heterps_ray.profiling.rows import Row
+
+if TYPE_CHECKING:
+    from heterps_ray.profiling.profiler import ProfileSettings
 
 # (job, layers, caller type, callee type, split, steps) -> steady ms per batch of that sync plan
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
@@ -89,3 +99,91 @@ def probe_plans(
     rest = [t for t in types if t not in opened]  # a type no two-stage probe warmed: its first round here
     later = [t for order in rounds[1:] for t in order]
     return plans + [(t, "", alone) for t in (rest if repeats else [])] + [(t, "", alone) for t in later]
+
+
+def probe_runs(
+    job: JobConfig,
+    spec: ModelSpec,
+    types: list[str],
+    settings: ProfileSettings,
+    run_probe: ProbeRunner,
+    notes: list[str],
+) -> list[Row]:
+    """The profile's probe phase (:func:`probe_plans`, in order): one row per probe with its steady ms per batch and the CPU ms
+    of other work beside it, on the job's data (a synthetic dataset as large as the probes read when
+    the job has none yet). A one-stage run with more than ``settings.probe_background`` cores of other
+    work beside it is taken again, and a type whose two one-stage runs disagree gets a third (at
+    most ``settings.probe_extra`` runs added in all)."""
+    import tempfile
+
+    from tqdm.auto import tqdm
+
+    from heterps_ray.data import DEFAULT_EVAL_FRACTION
+
+    layers = [layer.name for layer in spec.layers]
+    steps = probe_steps(job, settings.probe_steps or 0)
+    scratch = None
+    if not is_dataset(Path(job.data.path)):
+        from heterps_ray.data.synth import synthesize
+
+        scratch = tempfile.TemporaryDirectory(prefix="heterps-probe-")
+        path = Path(scratch.name) / "data"
+        rows = int(steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
+        synthesize(path, rows, seed=settings.seed)
+        job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
+    plans = probe_plans(job, layers, types, settings.probe_repeats)
+    bar = tqdm(total=len(plans), desc="runtime probes", unit="probe", disable=not settings.progress)
+    try:
+        out: list[Row] = []
+        runs: dict[tuple[str, str, int], int] = {}
+        queue, extra, decided = list(plans), settings.probe_extra, False
+        while queue:
+            caller, callee, split = queue.pop(0)
+            label = _probe_label(layers, caller, callee, split, steps)
+            bar.set_postfix_str(label)
+            with OtherWork() as background:
+                ms = run_probe(job, layers, caller, callee, split, steps)
+            resource, peer = (callee, caller) if callee else (caller, "")
+            rep = runs.get((caller, callee, split), -1) + 1
+            row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
+                      repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
+            out.append(row)
+            bar.update()
+            if not callee and extra > 0 and background.cores > settings.probe_background:
+                # a one-stage run beside other work: kept apart (not fitted), taken again at once
+                row.kind = "probe_disturbed"
+                extra -= 1
+                queue.insert(0, (caller, callee, split))
+                notes.append(f"{label}: {background.cores:.2f} cores of other work beside it ({ms:.1f} ms a "
+                             "batch): taken again")  # fmt: skip
+                bar.total += 1
+                continue
+            runs[caller, callee, split] = rep
+            if not queue and not decided:  # the planned runs done: a third where a type's two disagree
+                decided = True
+                for name in _disagreeing(out, settings.probe_agree)[:extra]:
+                    queue.append((name, "", len(layers)))
+                    extra -= 1
+                    bar.total += 1
+        return out
+    finally:
+        bar.close()
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _disagreeing(rows: list[Row], agree: float) -> list[str]:
+    """The types whose two one-stage runs (rows of kind "probe") lie further apart than `agree` of
+    their mean."""
+    alone: dict[str, list[float]] = {}
+    for row in rows:
+        if row.kind == "probe" and not row.peer and row.resource:
+            alone.setdefault(row.resource, []).append(row.ms)
+    return [name for name, ms in alone.items() if len(ms) == 2 and abs(ms[0] - ms[1]) > agree * (sum(ms) / 2)]
+
+
+def _probe_label(layers: list[str], caller: str, callee: str, split: int, steps: int) -> str:
+    """What a probe trains, for its progress line: its stages as first..last layer @ type."""
+    first = f"{layers[0]}..{layers[split - 1]}@{caller}"
+    rest = f" -> {layers[split]}..{layers[-1]}@{callee}" if callee else ""
+    return f"{first}{rest}, {steps} batches"

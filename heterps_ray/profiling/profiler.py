@@ -8,7 +8,8 @@ two, refused before any wait where they hold none) runs every layer forward and 
 batch sizes, with warm-up and repeats; the same layer on one actor and on both at once gives the
 parallel fraction; messages of several sizes between actors give each type's bandwidth and latency;
 a real :class:`~heterps_ray.ps.shard.PSShard` gives the PS service rate. This module starts the
-actors, says what each measures and gathers their numbers into rows (:class:`ProfileRun`);
+actors, says what each measures and gathers their numbers into rows (:class:`ProfileRun`; the
+runtime probes after them: probes.py);
 :func:`heterps_ray.profiling.fit.fit_problem` turns the measurements into a problem file.
 
 Example::
@@ -38,7 +39,6 @@ from heterps_ray.data.layout import is_dataset
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
-from heterps_ray.profiling.host_cpu import OtherWork
 from heterps_ray.profiling.placement import (
     Hosts,
     OwnHosts,
@@ -51,9 +51,9 @@ from heterps_ray.profiling.probes import (
     ONE_STAGE_REPEATS,
     PROBE_STEPS,
     ProbeRunner,
-    probe_plans,
-    probe_steps,
+    probe_runs,
 )
+from heterps_ray.profiling.rows import GPU_COLUMNS, Row
 
 _BYTES_PER_MB = 1 << 20
 
@@ -139,31 +139,6 @@ class ProfileSettings:
             input_repeats=self.input_repeats * factor,
             probe_repeats=self.probe_repeats * factor,
         )
-
-
-@dataclass
-class _Row:
-    kind: str
-    resource: str
-    peer: str = ""
-    layer: str = ""
-    batch_size: int = 0
-    nbytes: int = 0
-    rows: int = 0
-    replicas: int = 1
-    calls: int = 1
-    repeat: int = 0
-    forward_ms: float = math.nan
-    backward_ms: float = math.nan
-    ms: float = math.nan
-    client_ms: float = math.nan
-    copy_ms: float = math.nan
-    peak_mb: float = math.nan
-
-
-# Beside the fit's COLUMNS in the raw measurements: of a layer's ms, the host<->device copies; its
-# peak GPU memory (NaN on the CPU). A row of kind "oom": that (layer, batch size) ran out of GPU memory.
-GPU_COLUMNS = ("copy_ms", "peak_mb")
 
 
 @dataclass
@@ -314,7 +289,7 @@ def measure(
     started = time.perf_counter()
     wait = Waiter(settings.call_timeout_s)
 
-    rows: list[_Row] = []
+    rows: list[Row] = []
     notes: list[str] = []
     load_before = os.getloadavg()[0]
     pair_batch = min(job.batch_size, max(settings.batch_sizes))
@@ -353,7 +328,7 @@ def measure(
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
         started = time.perf_counter()
-        rows += _probe_runs(job, spec, [t.name for t in present], settings, run_probe, notes)
+        rows += probe_runs(job, spec, [t.name for t in present], settings, run_probe, notes)
         seconds["probes"] = time.perf_counter() - started
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
@@ -376,94 +351,6 @@ def _release(hosts: Hosts, present: list[ResourceType], actors: dict[str, list[A
             hosts.release(rtype, actors[rtype.name], reuse)
 
 
-def _probe_runs(
-    job: JobConfig,
-    spec: ModelSpec,
-    types: list[str],
-    settings: ProfileSettings,
-    run_probe: ProbeRunner,
-    notes: list[str],
-) -> list[_Row]:
-    """The runtime probes (probes.py): one row per probe with its steady ms per batch and the CPU ms
-    of other work beside it, on the job's data (a synthetic dataset as large as the probes read when
-    the job has none yet). A one-stage run with more than ``settings.probe_background`` cores of other
-    work beside it is taken again, and a type whose two one-stage runs disagree gets a third
-    (probes.py; at most ``settings.probe_extra`` runs added in all)."""
-    import tempfile
-
-    from tqdm.auto import tqdm
-
-    from heterps_ray.data import DEFAULT_EVAL_FRACTION
-
-    layers = [layer.name for layer in spec.layers]
-    steps = probe_steps(job, settings.probe_steps or 0)
-    scratch = None
-    if not is_dataset(Path(job.data.path)):
-        from heterps_ray.data.synth import synthesize
-
-        scratch = tempfile.TemporaryDirectory(prefix="heterps-probe-")
-        path = Path(scratch.name) / "data"
-        rows = int(steps * job.batch_size / (1.0 - DEFAULT_EVAL_FRACTION)) + job.batch_size
-        synthesize(path, rows, seed=settings.seed)
-        job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
-    plans = probe_plans(job, layers, types, settings.probe_repeats)
-    bar = tqdm(total=len(plans), desc="runtime probes", unit="probe", disable=not settings.progress)
-    try:
-        out: list[_Row] = []
-        runs: dict[tuple[str, str, int], int] = {}
-        queue, extra, decided = list(plans), settings.probe_extra, False
-        while queue:
-            caller, callee, split = queue.pop(0)
-            label = _probe_label(layers, caller, callee, split, steps)
-            bar.set_postfix_str(label)
-            with OtherWork() as background:
-                ms = run_probe(job, layers, caller, callee, split, steps)
-            resource, peer = (callee, caller) if callee else (caller, "")
-            rep = runs.get((caller, callee, split), -1) + 1
-            row = _Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
-                       repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
-            out.append(row)
-            bar.update()
-            if not callee and extra > 0 and background.cores > settings.probe_background:
-                # a one-stage run beside other work: kept apart (not fitted), taken again at once
-                row.kind = "probe_disturbed"
-                extra -= 1
-                queue.insert(0, (caller, callee, split))
-                notes.append(f"{label}: {background.cores:.2f} cores of other work beside it ({ms:.1f} ms a "
-                             "batch): taken again")  # fmt: skip
-                bar.total += 1
-                continue
-            runs[caller, callee, split] = rep
-            if not queue and not decided:  # the planned runs done: a third where a type's two disagree
-                decided = True
-                for name in _disagreeing(out, settings.probe_agree)[:extra]:
-                    queue.append((name, "", len(layers)))
-                    extra -= 1
-                    bar.total += 1
-        return out
-    finally:
-        bar.close()
-        if scratch is not None:
-            scratch.cleanup()
-
-
-def _disagreeing(rows: list[_Row], agree: float) -> list[str]:
-    """The types whose two one-stage runs (rows of kind "probe") lie further apart than `agree` of
-    their mean."""
-    alone: dict[str, list[float]] = {}
-    for row in rows:
-        if row.kind == "probe" and not row.peer and row.resource:
-            alone.setdefault(row.resource, []).append(row.ms)
-    return [name for name, ms in alone.items() if len(ms) == 2 and abs(ms[0] - ms[1]) > agree * (sum(ms) / 2)]
-
-
-def _probe_label(layers: list[str], caller: str, callee: str, split: int, steps: int) -> str:
-    """What a probe trains, for its progress line: its stages as first..last layer @ type."""
-    first = f"{layers[0]}..{layers[split - 1]}@{caller}"
-    rest = f" -> {layers[split]}..{layers[-1]}@{callee}" if callee else ""
-    return f"{first}{rest}, {steps} batches"
-
-
 def _layer_rounds(
     group: list[Any],
     rtype: ResourceType,
@@ -472,7 +359,7 @@ def _layer_rounds(
     bar: Any,
     wait: Waiter,
     notes: list[str],
-) -> list[_Row]:
+) -> list[Row]:
     """`repeats` rounds, each timing every (layer, batch size) once on the type's first actor; an item
     that ran out of GPU memory is left out of later rounds, with an "oom" row and a note."""
     items = [(i, b) for i in range(spec.num_layers + 1) for b in settings.batch_sizes]  # + the whole model
@@ -486,7 +373,7 @@ def _layer_rounds(
             whole = index == spec.num_layers
             layer = "" if whole else spec.layers[index].name
             if result is None:
-                rows.append(_Row("oom", rtype.name, layer=layer, batch_size=batch_size, repeat=rep))
+                rows.append(Row("oom", rtype.name, layer=layer, batch_size=batch_size, repeat=rep))
                 notes.append(
                     f"{rtype.name}: {layer or 'the whole model'} at batch size {batch_size} ran out of GPU "
                     "memory: not timed"
@@ -495,7 +382,7 @@ def _layer_rounds(
             kept.append((index, batch_size))
             fwd, bwd, copies, peak = result
             rows.append(
-                _Row("stage" if whole else "layer", rtype.name, layer=layer, batch_size=batch_size, repeat=rep,
+                Row("stage" if whole else "layer", rtype.name, layer=layer, batch_size=batch_size, repeat=rep,
                      forward_ms=fwd, backward_ms=bwd, ms=fwd + bwd, copy_ms=copies,
                      peak_mb=math.nan if peak is None else peak)
             )  # fmt: skip
@@ -510,7 +397,7 @@ def _host_runs(
     settings: ProfileSettings,
     wait: Waiter,
     calls: bool = True,
-) -> list[_Row]:
+) -> list[Row]:
     """Per type: the machine its first actor runs on (Ray node id in `peer`, cores in `rows`) and
     the CPU the rest of that machine used while everything here was idle (`client_ms` in `ms`);
     with `calls`, Ray's CPU per call there too. The fit declares a shared host where types share a node."""
@@ -521,11 +408,11 @@ def _host_runs(
     )
     for rtype, (node, cores, ms, others) in zip(present, loads, strict=True):
         group = actors[rtype.name]
-        out.append(_Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
+        out.append(Row("host", rtype.name, peer=node, rows=cores, ms=ms, client_ms=others))
         if calls and len(group) > 1:
             ms, others = wait(group[0].call_cpu.remote(group[-1], settings.host_calls), f"{rtype.name} calls")
             out.append(
-                _Row("call_cpu", rtype.name, peer=node, calls=settings.host_calls, ms=ms, client_ms=others)
+                Row("call_cpu", rtype.name, peer=node, calls=settings.host_calls, ms=ms, client_ms=others)
             )
     return out
 
@@ -537,7 +424,7 @@ def _transfer_runs(
     bar: Any,
     notes: list[str],
     wait: Waiter,
-) -> list[_Row]:
+) -> list[Row]:
     """Messages of each size from the first actor of every type to an actor of every type (its
     second actor for the same type); a message is timed by its sender until the receiver has it."""
     rows = []
@@ -561,7 +448,7 @@ def _transfer_runs(
                     )
                 ):
                     rows.append(
-                        _Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
+                        Row("transfer", sender.name, peer=receiver.name, nbytes=nbytes, repeat=rep, ms=ms)
                     )
                 bar.update()
     return rows
@@ -573,7 +460,7 @@ def _call_runs(
     settings: ProfileSettings,
     notes: list[str],
     wait: Waiter,
-) -> list[_Row]:
+) -> list[Row]:
     """Per type: its first actor kept busy with calls from another actor (its second, else one of
     another type), at ``settings.call_sizes`` message sizes; a row per size with `calls` in `ms`."""
     rows = []
@@ -589,7 +476,7 @@ def _call_runs(
             continue
         for nbytes in sizes:
             ms = wait(caller.call_rate.remote(callee, nbytes, settings.call_count), f"{rtype.name} call rate")
-            rows.append(_Row("call", rtype.name, nbytes=nbytes, calls=settings.call_count, ms=ms))
+            rows.append(Row("call", rtype.name, nbytes=nbytes, calls=settings.call_count, ms=ms))
     return rows
 
 
@@ -600,7 +487,7 @@ def _pair_runs(
     batch_size: int,
     settings: ProfileSettings,
     wait: Waiter,
-) -> list[_Row]:
+) -> list[Row]:
     """Each layer for a fixed time on one actor, then on two actors at once (every layer in one call
     per actor, the two actors in step): one row per (layer, actor) with its calls and ms (the fit
     compares the summed call rates)."""
@@ -618,7 +505,7 @@ def _pair_runs(
             for per_layer in results:
                 for layer, (calls, ms) in zip(spec.layers, per_layer, strict=True):
                     out.append(
-                        _Row("layer_pair", rtype.name, layer=layer.name, batch_size=batch_size,
+                        Row("layer_pair", rtype.name, layer=layer.name, batch_size=batch_size,
                              replicas=replicas, calls=calls, repeat=rep, ms=ms)
                     )  # fmt: skip
     return out
@@ -653,7 +540,7 @@ class _PSProbe:
 
     def runs(
         self, spec: ModelSpec, actors: dict[str, list[Any]], settings: ProfileSettings, wait: Waiter
-    ) -> list[_Row]:
+    ) -> list[Row]:
         """Rows/s of pull+push through the shard, from the PS type's first actor; dense pushes to it."""
         shards, batches, ps_name, micro_batch = self.shards, self.batches, self.ps_name, self.micro_batch
         client = actors[ps_name][0]
@@ -666,14 +553,14 @@ class _PSProbe:
             pull, push, own = wait(
                 client.ps_round_trips.remote(shards, calls, spec.embedding_dim), "PS round trips"
             )
-            out.append(_Row("ps", ps_name, rows=micro_batch * spec.num_slots, calls=len(calls), repeat=rep,
+            out.append(Row("ps", ps_name, rows=micro_batch * spec.num_slots, calls=len(calls), repeat=rep,
                             forward_ms=pull, backward_ms=push, ms=pull + push, client_ms=own,
                             batch_size=micro_batch))  # fmt: skip
             ms = wait(
                 client.dense_pushes.remote(shards[0], dense_params, settings.ps_calls), "PS dense pushes"
             )
             out.append(
-                _Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
+                Row("ps_dense", ps_name, rows=dense_params, calls=settings.ps_calls, repeat=rep, ms=ms)
             )
         return out
 
@@ -688,7 +575,7 @@ def _input_runs(
     actors: dict[str, list[Any]],
     settings: ProfileSettings,
     wait: Waiter,
-) -> list[_Row]:
+) -> list[Row]:
     """Read rate of the job's dataset on each type (a small synthetic one when it has none yet)."""
     import tempfile
 
@@ -711,7 +598,7 @@ def _input_runs(
                     actors[rtype.name][0].read_input.remote(str(path), job.batch_size, rows),
                     f"{rtype.name} input read",
                 )
-                out.append(_Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms,
+                out.append(Row("input", rtype.name, rows=done, batch_size=job.batch_size, repeat=rep, ms=ms,
                                 client_ms=setup))  # fmt: skip
         return out
     finally:

@@ -196,6 +196,25 @@ class ReferenceTrainer:
 
 
 SUMMARY_FILE = "reference_summary.json"
+WARMUP_STEPS = 20  # batches before a rate is timed: the first calls and the first read chunk's conversion
+
+
+def reference_rate(job: JobConfig, steps: int, threads: int = 2) -> float:
+    """samples/s of the reference trainer (the job's model and optimizers, `threads` torch threads) on
+    the job's training data, over `steps` batches after WARMUP_STEPS: the plain one-process loop the
+    benchmarks compare with (scripts/bench_floors.py) and the machine's speed beside a profile
+    (scripts/price_one_stage.py)."""
+    from heterps_ray.data.dataset import Dataset
+
+    torch.set_num_threads(threads)
+    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+    batches = Dataset(job.data.path).iter_batches("train", job.batch_size)
+    for _ in range(WARMUP_STEPS):
+        trainer.train_step(next(batches))
+    started = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(next(batches))
+    return steps * job.batch_size / (time.perf_counter() - started)
 
 
 def run_reference(job: JobConfig, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
