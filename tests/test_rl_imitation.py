@@ -93,13 +93,17 @@ def test_cloning_exact_teaches_an_untrained_policy_its_plans():
     assert bool((module.value[0].weight == value_before).all())  # only the scoring layers learn
 
 
+def _with_exact(problems: list) -> tuple[dict, list]:
+    """exact's labels of `problems`, and each problem with its view and exact's assignment."""
+    labels = exact_labels(problems)
+    return labels, [(p, ProblemView(p), labels[problem_fingerprint(p)]) for p in problems]
+
+
 def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_policy_stands():
     problems = _problems(4, seed=60)
-    labels = exact_labels(problems)
+    labels, solved = _with_exact(problems)
     checked = 0
-    for problem in problems:
-        view = ProblemView(problem)
-        expert = labels[problem_fingerprint(problem)]
+    for _, view, expert in solved:
         optimum = view.provision(expert).cost
         runnable = [np.flatnonzero(view.mask[layer] > 0.5) for layer in range(view.num_layers)]
         # on exact's own path the label completes to exact's cost: the optimum
@@ -130,12 +134,8 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
 
 
 def test_the_level_walk_completes_a_held_prefix_to_a_plan_that_meets_the_floor():
-    problems = _problems(6, seed=60)
-    labels = exact_labels(problems)
     completed = 0
-    for problem in problems:
-        view = ProblemView(problem)
-        expert = labels[problem_fingerprint(problem)]
+    for problem, view, expert in _with_exact(_problems(6, seed=60))[1]:
         whole = walked(problem, [], 3)  # no prefix: a plan of exact's walk, never below the optimum
         assert whole is not None and view.provision(whole).cost >= view.provision(expert).cost * (1 - 1e-9)
         off = view.reference_assignments["cheapest_per_layer"]
