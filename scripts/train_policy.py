@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument(
         "--priced-own", action="store_true", help="also price completions by the policy's own remaining types"
     )
+    imitation.add_argument(
+        "--priced-walk-steps",
+        type=int,
+        default=0,
+        help="complete a state no completion by exact's types labels by exact's level walk (this many quick levels)",
+    )
+    imitation.add_argument("--priced-walks", type=int, default=2, help="such walks per episode at most")
     imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
     imitation.add_argument(
         "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"
@@ -293,6 +300,8 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
             temperature=args.priced_temperature,
             seed=args.seed + 100 + i,
             own=args.priced_own,
+            walk_steps=args.priced_walk_steps,
+            walks=args.priced_walks,
         )
         fit(f"priced {i + 1}", args.priced_epochs)
     metadata = {

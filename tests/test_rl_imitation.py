@@ -14,6 +14,7 @@ from heterps_ray.scheduling.generator import generate_problem, with_runtime_sect
 from heterps_ray.scheduling.rl import ProblemView, greedy_rollout
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 from heterps_ray.scheduling.rl.imitation import _priced_label as priced_label
+from heterps_ray.scheduling.rl.imitation import _walked as walked
 from heterps_ray.scheduling.rl.imitation import (
     clone,
     dagger_states,
@@ -92,13 +93,17 @@ def test_cloning_exact_teaches_an_untrained_policy_its_plans():
     assert bool((module.value[0].weight == value_before).all())  # only the scoring layers learn
 
 
+def _with_exact(problems: list) -> tuple[dict, list]:
+    """exact's labels of `problems`, and each problem with its view and exact's assignment."""
+    labels = exact_labels(problems)
+    return labels, [(p, ProblemView(p), labels[problem_fingerprint(p)]) for p in problems]
+
+
 def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_policy_stands():
     problems = _problems(4, seed=60)
-    labels = exact_labels(problems)
+    labels, solved = _with_exact(problems)
     checked = 0
-    for problem in problems:
-        view = ProblemView(problem)
-        expert = labels[problem_fingerprint(problem)]
+    for _, view, expert in solved:
         optimum = view.provision(expert).cost
         runnable = [np.flatnonzero(view.mask[layer] > 0.5) for layer in range(view.num_layers)]
         # on exact's own path the label completes to exact's cost: the optimum
@@ -128,13 +133,27 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
     assert all(states.observations["action_mask"][i, a] == 1.0 for i, a in enumerate(states.actions))
 
 
+def test_the_level_walk_completes_a_held_prefix_to_a_plan_that_meets_the_floor():
+    completed = 0
+    for problem, view, expert in _with_exact(_problems(6, seed=60))[1]:
+        whole = walked(problem, [], 3)  # no prefix: a plan of exact's walk, never below the optimum
+        assert whole is not None and view.provision(whole).cost >= view.provision(expert).cost * (1 - 1e-9)
+        off = view.reference_assignments["cheapest_per_layer"]
+        for layer in range(1, view.num_layers):
+            plan = walked(problem, off[:layer], 3)  # the prefix held, the rest by the walk
+            if plan is not None:
+                assert plan[:layer] == list(off[:layer]) and view.provision(plan).feasible
+                completed += 1
+    assert completed > 0
+
+
 def test_train_policy_imitate_writes_a_policy_that_plans(tmp_path):
     import train_policy
 
     labels, out = tmp_path / "labels.json", tmp_path / "policy"
     argv = [
         "--imitate", "--pool", "6", "--layers", "4,8", "--types", "2,3", "--runtime-share", "0.5",
-        "--labels", str(labels), "--epochs", "2", "--dagger", "1", "--priced", "1", "--out", str(out),
+        "--labels", str(labels), "--epochs", "2", "--dagger", "1", "--priced", "1", "--priced-walk-steps", "2", "--out", str(out),
     ]  # fmt: skip
     assert train_policy.main(argv) == 0
     cached = json.loads(labels.read_text())

@@ -29,6 +29,7 @@ import numpy as np
 
 from heterps_ray.costmodel import Problem
 from heterps_ray.scheduling.rl.env import ProblemView, SchedulingEnv
+from heterps_ray.scheduling.rl.level_plans import level_plans
 from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
 Labels = dict[str, list[int] | None]  # problem fingerprint -> exact's assignment (type indices), None: none
@@ -265,6 +266,8 @@ def priced_states(
     temperature: float = 0.5,
     seed: int = 0,
     own: bool = True,
+    walk_steps: int = 0,
+    walks: int = 2,
 ) -> States:
     """The states the policy visits itself (its greedy episode and `samples` episodes sampled at
     `temperature`), each labelled by priced completions: for every type the layer can take, the plans
@@ -272,7 +275,11 @@ def priced_states(
     the policy's own remaining types in that episode" are provisioned, and the label is the type of the
     cheapest feasible one (see `_priced_label`; a state where none is feasible gets no label). Unlike
     exact's type for the layer (`dagger_states`), the label accounts for where the prefix already
-    stands: after a wrong type earlier it picks the type that still meets the floor."""
+    stands: after a wrong type earlier it picks the type that still meets the floor.
+    `walk_steps` > 0: a state that no such completion labels (exact's remaining types cannot make up for
+    the prefix) is completed by exact's level walk on the remaining layers (`_walked`: the prefix held,
+    `walk_steps` quick levels), at most `walks` times per episode; that plan's types then complete the
+    episode's later states too."""
     rng = np.random.default_rng(seed)
     observations: list[dict[str, np.ndarray]] = []
     actions: list[int] = []
@@ -281,17 +288,43 @@ def priced_states(
         view = ProblemView(problem)
         # the episodes are played first: a label may price an episode's future (`own`)
         envs, steps = _episodes(module, view, pad, samples, temperature, rng)
+        walked: list[list[int] | None] = [None] * len(envs)  # per episode: its walk's plan
+        left = [walks if walk_steps > 0 else 0] * len(envs)
         for layer, (current, greedy, _) in enumerate(steps):
-            for env, obs, preferred in zip(envs, current, greedy, strict=True):
+            for e, (env, obs, preferred) in enumerate(zip(envs, current, greedy, strict=True)):
                 plan = env.assignment
                 suffixes = [assignment[layer + 1 :]] + ([plan[layer + 1 :]] if own else [])
+                walk = walked[e]
+                if walk is not None:
+                    suffixes.append(walk[layer + 1 :])
                 label = _priced_label(view, plan[:layer], suffixes, preferred, assignment[layer])
+                if label is None and left[e] > 0:
+                    left[e] -= 1
+                    walk = walked[e] = _walked(problem, plan[:layer], walk_steps)
+                    if walk is not None:
+                        suffixes.append(walk[layer + 1 :])
+                        label = _priced_label(view, plan[:layer], suffixes, preferred, walk[layer])
                 if label is not None:
                     observations.append(obs)
                     actions.append(label)
     if not actions:
         return _stack([_empty_obs(pad)], [0], pad).head(0)
     return _stack(observations, actions, pad)
+
+
+def _walked(problem: Problem, prefix: Sequence[int], steps: int) -> list[int] | None:
+    """The cheapest plan meeting the floor among those of exact's level walk (`level_plans`: the relaxed
+    grid, then `steps` quick levels, no deadline, so the same on every run) on `problem` with its first
+    layers held to `prefix`'s types; None when none of them meets the floor."""
+    names = [r.name for r in problem.resources]
+    held = tuple(
+        layer.model_copy(update={"time_ms": {names[t]: layer.time_ms[names[t]]}})
+        for layer, t in zip(problem.layers, prefix, strict=False)
+    )
+    view = ProblemView(problem.model_copy(update={"layers": held + problem.layers[len(prefix) :]}))
+    level_plans(view, math.inf, steps)
+    best = view.best
+    return list(best.assignment) if best is not None and best.feasible else None
 
 
 _TIE_RTOL = 1e-6  # completions within this of the cheapest are as good as it

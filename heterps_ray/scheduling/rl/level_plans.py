@@ -39,8 +39,9 @@ LEVEL_SPAN = 4.0  # the relaxed pass's highest level, x the floor (the optimum r
 COUNT_STATES = 2048  # the most instance-count states of the counting DP a level may use here
 
 
-def level_plans(view: ProblemView, deadline: float) -> list[EpisodeResult]:
-    """The plans of the levels solved before `deadline` (perf_counter), provisioned; [] without a floor."""
+def level_plans(view: ProblemView, deadline: float, steps: int | None = None) -> list[EpisodeResult]:
+    """The plans of the levels solved before `deadline` (perf_counter), provisioned; [] without a floor.
+    `steps`: at most this many quick levels of the walk (with deadline=inf: the same plans on every run)."""
     model = view.model
     if not model.floor > 0.0:
         return []
@@ -55,17 +56,22 @@ def level_plans(view: ProblemView, deadline: float) -> list[EpisodeResult]:
             ceiling = float(target)
             break
         found.append(view.record(level.assignment))
-    found += _walk(view, pricing, model.floor * (1.0 - FLOOR_RTOL), ceiling, deadline)
+    found += _walk(view, pricing, model.floor * (1.0 - FLOOR_RTOL), ceiling, deadline, steps)
     return found
 
 
 def _walk(
-    view: ProblemView, pricing: BaseLevels, target: float, ceiling: float, deadline: float
+    view: ProblemView,
+    pricing: BaseLevels,
+    target: float,
+    ceiling: float,
+    deadline: float,
+    steps: int | None = None,
 ) -> list[EpisodeResult]:
-    """levels.cheapest's walk from `target` with quick levels, up to `ceiling` or `deadline`."""
+    """levels.cheapest's walk from `target` with quick levels, up to `ceiling`, `deadline` or `steps` levels."""
     to_cost = view.model.samples / S_PER_HOUR
     found: list[EpisodeResult] = []
-    while target < ceiling and time.perf_counter() < deadline:
+    while target < ceiling and time.perf_counter() < deadline and (steps is None or len(found) < steps):
         bound = pricing.solve_level(target, relaxed=True)  # its rate <= R*(X) for every X >= target
         if bound is None:
             break
