@@ -589,7 +589,10 @@ def _best_mixes(
     plain0 = np.where(finite, plain, 0.0)
     priced0 = np.where(np.isfinite(priced), priced, 0.0)
     ends, end_paths = cheapest_paths(np.concatenate([plain, priced]))
-    best, best_lam, found, top = [], [], [], [None] * W
+    best: list[float] = []
+    best_lam: list[float] = []
+    found: list[list[list[tuple[int, int, int]]]] = []
+    top: list[list[tuple[int, int, int]] | None] = [None] * W
     lo, hi = [0.0] * W, [1.0] * W
     active = []
     for n in range(W):
@@ -619,10 +622,7 @@ def _best_mixes(
                 hi[n] = at
             else:
                 active[n] = False
-    return [
-        (best[n], best_lam[n], found[n] + ([top[n]] if top[n] is not None else []))  # type: ignore[list-item]
-        for n in range(W)
-    ]
+    return [(best[n], best_lam[n], found[n] + [p for p in (top[n],) if p is not None]) for n in range(W)]
 
 
 def _with_limits(weight: np.ndarray, k: np.ndarray, mu: np.ndarray) -> np.ndarray:
