@@ -15,7 +15,8 @@ is not used to skip a level:
 
 * ``lb(X) <= R*(X)`` (`LevelPricing.lower_bound`): bounds every plan at X and, R* being monotone,
   every plan above X;
-* ``Level.bound <= R*(X)`` (the DP's rate, or the ILP's dual bound);
+* ``Level.bound <= R*(X)`` (the DP's rate, or the ILP's dual bound, or the cutoff below which the ILP
+  proved no plan: the walk asks for no plan dearer than one within CUTOFF_WIDTH above X could beat C);
 * ``Θ_max >= Θ(P)`` for every plan P (`LevelPricing.throughput_bound`);
 * ``ρ(X) <= R(P) / Θ(P)`` for every plan P with Θ(P) >= X (`LevelPricing.ratio_bound`).
 

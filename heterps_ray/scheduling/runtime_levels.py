@@ -36,6 +36,7 @@ The bounds it gives the walk, each a lower bound for the reason given:
   (`_through`, the same weights through each segment, excludes the others); plans using the others
   cost at least the incumbent, so min(incumbent, dual bound) <= R*(X). HiGHS gets the incumbent as
   its objective bound (it prunes what cannot beat it): "infeasible" then proves the incumbent R*(X);
+  with the walk's cutoff below the incumbent (`solve`), "infeasible" proves R*(X) >= the cutoff;
 * the ratio bound (`ratio_bound`): per segment its fewest counts at X priced per unit of the most
   throughput they reach, a lower bound on R / Θ of every plan at or above X (a count is never used
   better than fully), which the walk stops on;
