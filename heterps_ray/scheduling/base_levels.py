@@ -84,8 +84,9 @@ class BaseLevels(LevelPricing):
         level = self.solve_level(target, relaxed=True)
         return (math.inf, []) if level is None else (level.rate, [level.assignment])
 
-    def solve(self, target: float, objective: bool = True) -> Level | None:
-        """The level solved exactly (objective or not: the cheapest plan is also a plan)."""
+    def solve(self, target: float, objective: bool = True, cutoff: float = math.inf) -> Level | None:
+        """The level solved exactly (objective or not: the cheapest plan is also a plan; the DP needs no
+        cutoff)."""
         self.proof.solves += 1
         return self.solve_level(target)
 

@@ -15,7 +15,8 @@ is not used to skip a level:
 
 * ``lb(X) <= R*(X)`` (`LevelPricing.lower_bound`): bounds every plan at X and, R* being monotone,
   every plan above X;
-* ``Level.bound <= R*(X)`` (the DP's rate, or the ILP's dual bound);
+* ``Level.bound <= R*(X)`` (the DP's rate, or the ILP's dual bound, or the cutoff below which the ILP
+  proved no plan: the walk asks for no plan dearer than one within CUTOFF_WIDTH above X could beat C);
 * ``Θ_max >= Θ(P)`` for every plan P (`LevelPricing.throughput_bound`);
 * ``ρ(X) <= R(P) / Θ(P)`` for every plan P with Θ(P) >= X (`LevelPricing.ratio_bound`).
 
@@ -45,6 +46,7 @@ RATIO_CHECK = 1.05  # the ratio bound's stop is tried where lb(X) N / 3600 / X i
 # and, after it failed at X, not again below RATIO_RETRY X (it costs a bound's time; a stop not tried
 # only lets the walk go on, it never proves anything)
 RATIO_RETRY = 1.1
+CUTOFF_WIDTH = 0.02  # a level's solve needs no plan dearer than one this far above it could beat the best
 SOLVER_RTOL = 1e-7  # a level whose solver plan misses it within HiGHS' tolerances: the walk steps this far
 TIME_LIMIT = "time limit"  # Proof.stop when the deadline ended the search: the plan is not proven
 
@@ -127,9 +129,11 @@ class LevelPricing(ABC):
         ...
 
     @abstractmethod
-    def solve(self, target: float, objective: bool = True) -> Level | None:
+    def solve(self, target: float, objective: bool = True, cutoff: float = math.inf) -> Level | None:
         """The cheapest plan reaching `target` with a proven bound on R*(target); None only when no plan
-        reaches it. objective False: any plan reaching it (a feasibility check)."""
+        reaches it. objective False: any plan reaching it (a feasibility check). `cutoff`: a rate
+        ($/hour) the caller needs no plan at or above; where R*(target) >= cutoff a pricing may answer
+        with a dearer plan and the bound `cutoff` (the walk then skips on the bound)."""
         ...
 
     def ratio_bound(self, low: float, high: float) -> float:
@@ -229,7 +233,11 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
                 proof.levels_bounded += 1
                 target = skip_to
                 continue
-        level = pricing.solve(max(target, 1e-300))
+        # a plan with target <= Θ <= target (1 + CUTOFF_WIDTH) cheaper than the best costs R < C Θ / (N /
+        # 3600) <= cutoff: the level needs no plan at or above it; where R*(target) >= cutoff its bound
+        # skips the walk past that interval (the skip below), and its solver prunes by it
+        cutoff = math.inf if best is None else best[1].cost * target * (1.0 + CUTOFF_WIDTH) / to_cost
+        level = pricing.solve(max(target, 1e-300), cutoff=cutoff)
         if level is None:
             proof.stop = "no plan reaches the level"
             break

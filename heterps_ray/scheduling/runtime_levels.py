@@ -28,7 +28,7 @@ The bounds it gives the walk, each a lower bound for the reason given:
   the loop needs ``k_0 >= loop / c`` DataWorkers, so pricing the loop at ``p_t0 / c`` a ms gives a
   second weight no plan with its first stage on t0 pays less than; such a plan pays at least each
   of the two, so at least any mix ``(1 - λ) · first + λ · second``, and the bound is the best mix
-  `_best_mix` finds), and the shards' fewest count; then the per-type limits, which the DP keeps
+  `_best_mixes` finds), and the shards' fewest count; then the per-type limits, which the DP keeps
   only stage by stage, by a Lagrangian relaxation of their sum (`relax_limits`: a plan within them
   pays at least its weight plus ``Σ_t μ_t (use_t - cap_t)`` for any μ >= 0), which closes most of
   the gap to R*(X) at size (120 layers x 8 types: from 2-3% to under 1%);
@@ -36,6 +36,7 @@ The bounds it gives the walk, each a lower bound for the reason given:
   (`_through`, the same weights through each segment, excludes the others); plans using the others
   cost at least the incumbent, so min(incumbent, dual bound) <= R*(X). HiGHS gets the incumbent as
   its objective bound (it prunes what cannot beat it): "infeasible" then proves the incumbent R*(X);
+  with the walk's cutoff below the incumbent (`solve`), "infeasible" proves R*(X) >= the cutoff;
 * the ratio bound (`ratio_bound`): per segment its fewest counts at X priced per unit of the most
   throughput they reach, a lower bound on R / Θ of every plan at or above X (a count is never used
   better than fully), which the walk stops on;
@@ -67,7 +68,7 @@ from heterps_ray.costmodel.runtime_terms import call_ms
 from heterps_ray.scheduling.levels import Level, LevelPricing
 from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, provision_counts
 from heterps_ray.scheduling.runtime_ilp import ROW_SLACK, solve_case
-from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
+from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, cheapest_paths, through
 
 _HUGE = 1e12  # replicas standing in for "no count reaches the level"
 SCOUT_POINTS = 20  # levels `scout` prices between the floor and the throughput bound
@@ -293,8 +294,8 @@ class RuntimeLevels(LevelPricing):
                     paths.append(assignment_of(path))
                 found.append((value + fixed, fixed, hosted, 0, rate, k, cap))
                 continue
-            for n, (plain, priced) in enumerate(weights):  # type: ignore[misc]
-                value, lam, met = _best_mix(plain, priced)
+            mixes = _best_mixes(weights)  # type: ignore[arg-type]
+            for n, ((plain, priced), (value, lam, met)) in enumerate(zip(weights, mixes, strict=True)):  # type: ignore[misc]
                 if not ratio:
                     self._mix[(hosted, target, n)] = lam
                 paths += [assignment_of(p) for p in met]
@@ -467,10 +468,13 @@ class RuntimeLevels(LevelPricing):
 
     # -- one level exactly (ILP) ---------------------------------------------------------------
 
-    def solve(self, target: float, objective: bool = True) -> Level | None:
+    def solve(self, target: float, objective: bool = True, cutoff: float = math.inf) -> Level | None:
         """The cheapest plan reaching `target` (None: none does): proven by the DP bound where a
         candidate's rate meets it, else by HiGHS over the segments the bounds cannot exclude.
-        `objective` False: any plan reaching it (a feasibility check)."""
+        `objective` False: any plan reaching it (a feasibility check). With an incumbent (a plan reaching
+        `target` at rate `upper`) HiGHS looks only below min(upper, cutoff): "infeasible" then proves
+        R*(target) >= that limit (plans through the segments `_through` excludes cost at least it, the
+        rest are the ILP's), the level answers with the incumbent and that bound."""
         lb, paths = self.lower_bound(target)
         if not math.isfinite(lb):
             return None
@@ -487,9 +491,10 @@ class RuntimeLevels(LevelPricing):
             rate, at = self.rate_at(assignment, target)
             if rate < upper:
                 upper, incumbent, reached = rate, assignment, at
+        limit = min(upper, cutoff) if incumbent is not None else upper
         best: Level | None = None
         for hosted in self._cases():
-            level = solve_case(self, hosted, target, objective, upper)
+            level = solve_case(self, hosted, target, objective, limit)
             if level is None:
                 continue
             if best is None or level.rate < best.rate:
@@ -497,8 +502,9 @@ class RuntimeLevels(LevelPricing):
             if not objective:
                 break
         if incumbent is not None and (best is None or upper <= best.rate):
-            # no plan below `upper` (the ILPs over every segment such a plan could use): it is optimal
-            return Level(upper, upper if best is None else min(upper, best.bound), incumbent, reached)
+            # no plan below `limit` (the ILPs over every segment such a plan could use): the incumbent is
+            # optimal where limit is upper, else R*(target) >= limit, the bound
+            return Level(upper, limit if best is None else min(limit, best.bound), incumbent, reached)
         if best is None:
             return None
         # the level's plan is the ILP's assignment with its counts re-provisioned: its rate and the
@@ -565,38 +571,59 @@ def _mixed(plain: np.ndarray, priced: np.ndarray, lam: float) -> np.ndarray:
                     + lam * np.where(np.isfinite(priced), priced, 0.0), np.inf)  # fmt: skip
 
 
-def _best_mix(
-    plain: np.ndarray, priced: np.ndarray, steps: int = 6
-) -> tuple[float, float, list[list[tuple[int, int, int]]]]:
-    """max over lam in [0, 1] of the cheapest path of (1 - lam) plain + lam priced, the lam reaching it
-    and the paths met. Each is a lower bound on the rate of every plan with its first stage on the
-    weights' type: such a plan pays at least plain(P) and at least priced(P) (`_weights`), so at least
-    any mix of the two. The cheapest path of the mix is concave in lam (a minimum of lines), so a
-    bisection on the slope of the path found (priced(P) - plain(P)) climbs to its top; lam 0 and 1
-    are the two weights alone."""
-    v0, p0 = cheapest_path(plain)
-    v1, p1 = cheapest_path(priced)
-    found = [p for p in (p0, p1) if p is not None]
-    best, best_lam = (v0, 0.0) if v0 >= v1 else (v1, 1.0)
-    if p0 is None or p1 is None:
-        return best, best_lam, found
-    top = None
-    lo, hi = 0.0, 1.0
+def _best_mixes(
+    pairs: list[tuple[np.ndarray, np.ndarray]], steps: int = 6
+) -> list[tuple[float, float, list[list[tuple[int, int, int]]]]]:
+    """Per (plain, priced) pair: max over lam in [0, 1] of the cheapest path of (1 - lam) plain + lam
+    priced, the lam reaching it and the paths met. Each is a lower bound on the rate of every plan
+    with its first stage on the weights' type: such a plan pays at least plain(P) and at least
+    priced(P) (`_weights`), so at least any mix of the two. The cheapest path of the mix is concave in
+    lam (a minimum of lines), so a bisection on the slope of the path found (priced(P) - plain(P))
+    climbs to its top; lam 0 and 1 are the two weights alone. The pairs' bisections run side by side,
+    each step's paths in one `cheapest_paths` (each pair's result is what it alone would give)."""
+    W = len(pairs)
+    if W == 0:
+        return []
+    plain = np.stack([p for p, _ in pairs])
+    priced = np.stack([q for _, q in pairs])
+    finite = np.isfinite(plain)  # plain and priced are inf on the same segments
+    plain0 = np.where(finite, plain, 0.0)
+    priced0 = np.where(np.isfinite(priced), priced, 0.0)
+    ends, end_paths = cheapest_paths(np.concatenate([plain, priced]))
+    best: list[float] = []
+    best_lam: list[float] = []
+    found: list[list[list[tuple[int, int, int]]]] = []
+    top: list[list[tuple[int, int, int]] | None] = [None] * W
+    lo, hi = [0.0] * W, [1.0] * W
+    active = []
+    for n in range(W):
+        v0, p0, v1, p1 = float(ends[n]), end_paths[n], float(ends[W + n]), end_paths[W + n]
+        found.append([p for p in (p0, p1) if p is not None])
+        best.append(v0 if v0 >= v1 else v1)
+        best_lam.append(0.0 if v0 >= v1 else 1.0)
+        active.append(p0 is not None and p1 is not None)
     for _ in range(steps):
-        lam = 0.5 * (lo + hi)
-        value, path = cheapest_path(_mixed(plain, priced, lam))
-        if path is None:
+        live = [n for n in range(W) if active[n]]
+        if not live:
             break
-        if value > best:
-            best, best_lam, top = value, lam, path
-        slope = sum(float(priced[s]) - float(plain[s]) for s in path)
-        if slope > 0:
-            lo = lam
-        elif slope < 0:
-            hi = lam
-        else:
-            break
-    return best, best_lam, found + ([top] if top is not None else [])
+        lam = np.array([0.5 * (lo[n] + hi[n]) for n in live])[:, None, None, None]
+        mixed = np.where(finite[live], (1.0 - lam) * plain0[live] + lam * priced0[live], np.inf)
+        values, paths = cheapest_paths(mixed)
+        for row, n in enumerate(live):
+            value, path, at = float(values[row]), paths[row], float(lam[row, 0, 0, 0])
+            if path is None:
+                active[n] = False
+                continue
+            if value > best[n]:
+                best[n], best_lam[n], top[n] = value, at, path
+            slope = sum(float(priced[n][s]) - float(plain[n][s]) for s in path)
+            if slope > 0:
+                lo[n] = at
+            elif slope < 0:
+                hi[n] = at
+            else:
+                active[n] = False
+    return [(best[n], best_lam[n], found[n] + [p for p in (top[n],) if p is not None]) for n in range(W)]
 
 
 def _with_limits(weight: np.ndarray, k: np.ndarray, mu: np.ndarray) -> np.ndarray:

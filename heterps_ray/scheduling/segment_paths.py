@@ -41,45 +41,54 @@ def suffix(rate: np.ndarray) -> np.ndarray:
     return out
 
 
-def _excluding_with_type(row: np.ndarray, types: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(out[t] = min over t' != t of row[t'], the t' it comes from; -1 with one type)."""
-    if len(types) == 1:
-        return np.full(1, np.inf), np.full(1, -1, dtype=np.int64)
-    order = np.argsort(row)
-    other = np.where(types == order[0], order[1], order[0])
-    return row[other], other
-
-
 def cheapest_path(rate: np.ndarray) -> tuple[float, list[tuple[int, int, int]] | None]:
     """Cheapest chain of segments (i, j, t) covering every layer, adjacent types differing."""
-    L, _, T = rate.shape
-    best = np.full((L, T), np.inf)
-    came_from = np.zeros((L, T), dtype=np.int64)
-    prev_type = np.full((L, T), -1, dtype=np.int64)
-    excl = np.full((L, T), np.inf)  # excl[j, t]: min over t' != t of best[j, t'] (a stage on t follows it)
-    excl_type = np.full((L, T), -1, dtype=np.int64)
-    types = np.arange(T)
+    values, paths = cheapest_paths(rate[None])
+    return float(values[0]), paths[0]
+
+
+def cheapest_paths(rates: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]] | None]]:
+    """`cheapest_path` of each weight of a stack [W, L, L, T] at once (one pass over the layers for
+    all of them: at 120 layers the per-layer overhead, not the arithmetic, is the DP's time).
+
+    best[j, t]: the cheapest chain covering layers 0..j whose last stage (on t) ends at j, the first
+    (lowest) start layer among equal values; excl[j + 1, t]: min over t' != t of best[j, t'] (row 0:
+    the empty chain, 0), so a stage i..j on t follows excl[i, t]."""
+    W, L, _, T = rates.shape
+    best = np.empty((W, L, T))
+    came_from = np.empty((W, L, T), dtype=np.int64)
+    excl = np.full((W, L + 1, T), np.inf)
+    excl[:, 0] = 0.0
+    excl_type = np.full((W, L, T), -1, dtype=np.int64)
+    w = np.arange(W)[:, None]
+    types = np.arange(T)[None, :]
     for j in range(L):
-        best[j] = rate[0, j]
-        if j:
-            total = excl[:j] + rate[1 : j + 1, j]
-            i_best = np.argmin(total, axis=0)
-            value = total[i_best, types]
-            better = value < best[j]
-            best[j] = np.where(better, value, best[j])
-            came_from[j] = np.where(better, i_best + 1, 0)
-            prev_type[j] = np.where(better, excl_type[i_best, types], -1)
-        excl[j], excl_type[j] = _excluding_with_type(best[j], types)
-    t = int(np.argmin(best[L - 1]))
-    value = float(best[L - 1, t])
-    if not math.isfinite(value):
-        return math.inf, None
-    path, j = [], L - 1
-    while j >= 0:
-        i = int(came_from[j, t])
-        path.append((i, j, t))
-        t, j = int(prev_type[j, t]), i - 1
-    return value, path[::-1]
+        total = excl[:, : j + 1] + rates[:, : j + 1, j]  # [W, starts, T]
+        start = total.argmin(axis=1)  # [W, T]
+        value = total[w, start, types]
+        best[:, j] = value
+        came_from[:, j] = start
+        if T > 1:
+            order = value.argsort(axis=1)
+            first, second = order[:, :1], order[:, 1:2]
+            other = np.where(types == first, second, first)
+            excl[:, j + 1] = value[w, other]
+            excl_type[:, j] = other
+    last = best[:, L - 1].argmin(axis=1)
+    values = best[np.arange(W), L - 1, last]
+    paths: list[list[tuple[int, int, int]] | None] = []
+    for n in range(W):
+        if not math.isfinite(values[n]):
+            values[n] = math.inf
+            paths.append(None)
+            continue
+        path, j, t = [], L - 1, int(last[n])
+        while j >= 0:
+            i = int(came_from[n, j, t])
+            path.append((i, j, t))
+            t, j = (int(excl_type[n, i - 1, t]) if i > 0 else -1), i - 1
+        paths.append(path[::-1])
+    return values, paths
 
 
 def prefix(rate: np.ndarray) -> np.ndarray:
