@@ -85,10 +85,10 @@ class BaseLevels(LevelPricing):
         return (math.inf, []) if level is None else (level.rate, [level.assignment])
 
     def solve(self, target: float, objective: bool = True, cutoff: float = math.inf) -> Level | None:
-        """The level solved exactly (objective or not: the cheapest plan is also a plan; the DP needs no
+        """The level solved exactly (`objective` False: any plan within the limits; the DP needs no
         cutoff)."""
         self.proof.solves += 1
-        return self.solve_level(target)
+        return self.solve_level(target, objective=objective)
 
     def throughput_bound(self, known: float) -> float:
         if self._bound is None:
@@ -108,10 +108,14 @@ class BaseLevels(LevelPricing):
         k = fewest_replicas(self.model.batch_size, self.tau, self.alpha, target)
         return np.minimum(np.where(self.valid, k, np.inf), 1e12)
 
-    def solve_level(self, target: float, relaxed: bool = False, quick: bool = False) -> Level | None:
+    def solve_level(
+        self, target: float, relaxed: bool = False, quick: bool = False, objective: bool = True
+    ) -> Level | None:
         """Cheapest cost rate over plans reaching `target` within max_instances; None if none does.
 
         relaxed: each stage within its type's limit, but not their sum (a bound, no ILP).
+        objective False: any plan within the limits, not the cheapest (a feasibility check: where the
+        ILP decides, one without an objective, which HiGHS answers far sooner at size).
         quick: a plan within the limits, cheaply and without proof (`_quick_path`); for heuristics
         that try many levels (rl/level_plans.py), never for the walk. The level's tables are kept,
         so the same target solved relaxed and then quick builds them once."""
@@ -122,8 +126,12 @@ class BaseLevels(LevelPricing):
         m, k, cap, seg_rate, path = tables
         if relaxed or (self._usage(path, k) <= cap).all():
             return self._level(path, k, m)
-        constrained = self._quick_path if quick else self._constrained_path
-        within = constrained(seg_rate, k, cap, path)
+        if quick:
+            within = self._quick_path(seg_rate, k, cap, path)
+        elif objective:
+            within = self._constrained_path(seg_rate, k, cap, path)
+        else:
+            within = self._any_path(seg_rate, k, cap, path)
         return None if within is None else self._level(within, k, m)
 
     def _tables(self, target: float) -> _Tables | None:
@@ -179,6 +187,17 @@ class BaseLevels(LevelPricing):
         if counted is None:
             return incumbent  # no path among the kept segments beats it (None: no path at all)
         assert isinstance(counted, list)
+        return counted
+
+    def _any_path(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, path: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]] | None:
+        """A path within max_instances, None only when none exists: the counting DP's (exact), else the
+        ILP's with no objective."""
+        counted = self._counted_path(seg_rate, k, cap, path)
+        if counted is TOO_MANY_STATES:
+            return self._ilp(seg_rate, k, cap, objective=False)
+        assert counted is None or isinstance(counted, list)
         return counted
 
     def _quick_path(
@@ -253,8 +272,11 @@ class BaseLevels(LevelPricing):
         bound = through(priced) - float(lam @ cap)
         return incumbent, np.isfinite(seg_rate) & (bound <= upper * (1.0 + 1e-9))
 
-    def _ilp(self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray) -> list[tuple[int, int, int]] | None:
-        """The same shortest path with the per-type instance limits, as a 0/1 program."""
+    def _ilp(
+        self, seg_rate: np.ndarray, k: np.ndarray, cap: np.ndarray, objective: bool = True
+    ) -> list[tuple[int, int, int]] | None:
+        """The same shortest path with the per-type instance limits, as a 0/1 program (`objective`
+        False: any path within them)."""
         from scipy.optimize import Bounds, LinearConstraint
         from scipy.sparse import lil_matrix
 
@@ -296,7 +318,7 @@ class BaseLevels(LevelPricing):
             for v, c in coef.items():
                 A[r, v] = c
         result = solve_milp(
-            c=np.array([seg_rate[s] for s in segs]),
+            c=np.array([seg_rate[s] for s in segs]) if objective else np.zeros(n),
             constraints=LinearConstraint(A.tocsr(), [lo for _, lo, _ in rows], [hi for _, _, hi in rows]),
             integrality=np.ones(n),
             bounds=Bounds(0, 1),
@@ -362,7 +384,7 @@ class BaseLevels(LevelPricing):
                         mid, int(np.searchsorted(candidates, reached * (1.0 + REACH_RTOL), side="right")) - 1
                     )
                     continue
-                level = self.solve_level(target)
+                level = self.solve_level(target, objective=False)  # reaching it is all the search needs
             if level is not None:
                 lo = mid
             else:
