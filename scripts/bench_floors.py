@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from heterps_ray.runtime.reference import reference_rate  # the plain loop, 2 torch threads
+
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "configs" / "jobs" / "quickstart.yaml"
 FLOOR_MET = 0.9  # achieved >= 0.9 x floor counts as met (the issue's rule)
@@ -45,14 +47,14 @@ def main() -> None:
 
     job = load_job(JOB)
     prepare_dataset(job.data, seed=job.seed)
-    references = [_reference(job, args.reference_steps)]
+    references = [reference_rate(job, args.reference_steps)]
     print(f"reference trainer: {references[0]:,.0f} samples/s", flush=True)
     rows = []
     for factor in args.factors:
         floor = factor * references[0]
         rows.append(_run(job, factor, floor, out, args.steps))
         _print_row(rows[-1])
-    references.append(_reference(job, args.reference_steps))
+    references.append(reference_rate(job, args.reference_steps))
     reference = statistics.median(references)
     for row in rows:
         row["reference"] = reference
@@ -61,13 +63,6 @@ def main() -> None:
     print()
     print(_markdown(rows, references))
     print(f"wrote {args.result}")
-
-
-def _reference(job: Any, steps: int) -> float:
-    """samples/s of the one-process reference trainer (2 torch threads) on the job's data."""
-    from heterps_ray.runtime.reference import reference_rate
-
-    return reference_rate(job, steps)
 
 
 def _run(job: Any, factor: float, floor: float, out: Path, steps: int | None) -> dict[str, Any]:
