@@ -225,3 +225,24 @@ def test_shared_host_background_is_the_quietest_window_and_calls_and_stages_are_
     for resource in problem["resources"]:
         assert resource["call_overhead_ms"] == pytest.approx(1.5, rel=1e-3)
         assert resource["fused_saving_ms"] == pytest.approx(0.2, rel=1e-3)
+
+
+def test_a_probe_that_scales_a_types_layer_times_scales_its_fused_saving_with_them():
+    """The fused saving is a share of the layers' fixed times: calibrated to the runtime's loop, it moves
+    with them, and stays at most their mean (a CI run once saw it pass the scaled-down sum)."""
+    measured = _measurements(noise=0.0)
+    alone = measured[measured["kind"] == "layer"].groupby(["resource", "batch_size", "layer"])["ms"].median()
+    rows = [_row(kind="stage", resource=rtype, batch_size=b, ms=total - 0.2 * (len(LAYERS) - 1))
+            for (rtype, b), total in alone.groupby(["resource", "batch_size"]).sum().items()]  # fmt: skip
+    unscaled = _fit(pd.concat([measured, pd.DataFrame(rows, columns=list(COLUMNS))], ignore_index=True))
+    # one-stage probes (the whole model on one type) far slower and far faster than the layers explain:
+    # the ratio is clipped to 4 on big and to 1/4 on small
+    rows += [_row(kind="probe", resource="big", layer="logit", batch_size=512, ms=1e6),
+             _row(kind="probe", resource="small", layer="logit", batch_size=512, ms=1e-6)]  # fmt: skip
+    scaled = _fit(pd.concat([measured, pd.DataFrame(rows, columns=list(COLUMNS))], ignore_index=True))
+    for before, after, scale in zip(
+        unscaled.problem["resources"], scaled.problem["resources"], (0.25, 4.0), strict=True
+    ):
+        assert after["fused_saving_ms"] == pytest.approx(before["fused_saving_ms"] * scale, rel=1e-5)
+        fixed = [layer["time_ms"][after["name"]]["fixed"] for layer in scaled.problem["layers"]]
+        assert after["fused_saving_ms"] <= float(np.mean(fixed))

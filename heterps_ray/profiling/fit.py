@@ -381,8 +381,9 @@ def _runtime_terms(
 
     * a one-stage probe on each type calibrates that type's layer times to the runtime (a single
       actor's timing leaves out what the runtime's DataWorker adds, and a burst of load during the
-      profile skews it; the probe runs the real loop): they are scaled so that the plan takes the
-      probe's ms per batch (the hosted PS's work included), the factor kept in the fit table;
+      profile skews it; the probe runs the real loop): they are scaled, and the type's fused saving
+      with them, so that the plan takes the probe's ms per batch (the hosted PS's work included), the
+      factor kept in the fit table;
     * then each two-stage probe gives its callee type's `call_ms`: what one call a batch took beyond
       what the calibrated layers, bytes and input explain.
 
@@ -428,6 +429,9 @@ def _runtime_terms(
                 coeffs.update(
                     fixed=_round(coeffs["fixed"] * scale), per_sample=_round(coeffs["per_sample"] * scale)
                 )
+        for resource in problem["resources"]:  # a share of the layers' fixed times: it scales with them
+            if resource["name"] == row["resource"] and "fused_saving_ms" in resource:
+                resource["fused_saving_ms"] = _round(resource["fused_saving_ms"] * scale)
         flag = (
             ""
             if _PROBE_SCALE[0] < scale < _PROBE_SCALE[1]
