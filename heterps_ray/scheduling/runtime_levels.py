@@ -28,9 +28,9 @@ The bounds it gives the walk, each a lower bound for the reason given:
   the loop needs ``k_0 >= loop / c`` DataWorkers, so pricing the loop at ``p_t0 / c`` a ms gives a
   second weight no plan with its first stage on t0 pays less than; such a plan pays at least each
   of the two, so at least any mix ``(1 - λ) · first + λ · second``, and the bound is the best mix
-  `_best_mixes` finds), and the shards' fewest count; then the per-type limits, which the DP keeps
-  only stage by stage, by a Lagrangian relaxation of their sum (`relax_limits`: a plan within them
-  pays at least its weight plus ``Σ_t μ_t (use_t - cap_t)`` for any μ >= 0), which closes most of
+  `path_bounds.best_mixes` finds), and the shards' fewest count; then the per-type limits, which
+  the DP keeps only stage by stage, by a Lagrangian relaxation of their sum
+  (`path_bounds.relax_limits`: a plan within them pays at least its weight plus ``Σ_t μ_t (use_t - cap_t)`` for any μ >= 0), which closes most of
   the gap to R*(X) at size (120 layers x 8 types: from 2-3% to under 1%);
 * the level bound: HiGHS' dual bound over the segments a plan cheaper than the incumbent can use
   (`_through`, the same weights through each segment, excludes the others); plans using the others
@@ -66,9 +66,10 @@ from heterps_ray.costmodel.formulas import (
 )
 from heterps_ray.costmodel.runtime_terms import call_ms
 from heterps_ray.scheduling.levels import Level, LevelPricing
+from heterps_ray.scheduling.path_bounds import best_mixes, mixed_weights, relax_limits, with_limits
 from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, provision_counts
 from heterps_ray.scheduling.runtime_ilp import ROW_SLACK, solve_case
-from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, cheapest_paths, through
+from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
 _HUGE = 1e12  # replicas standing in for "no count reaches the level"
 SCOUT_POINTS = 20  # levels `scout` prices between the floor and the throughput bound
@@ -294,12 +295,12 @@ class RuntimeLevels(LevelPricing):
                     paths.append(assignment_of(path))
                 found.append((value + fixed, fixed, hosted, 0, rate, k, cap))
                 continue
-            mixes = _best_mixes(weights)  # type: ignore[arg-type]
+            mixes = best_mixes(weights)  # type: ignore[arg-type]
             for n, ((plain, priced), (value, lam, met)) in enumerate(zip(weights, mixes, strict=True)):  # type: ignore[misc]
                 if not ratio:
                     self._mix[(hosted, target, n)] = lam
                 paths += [assignment_of(p) for p in met]
-                mixed = _mixed(plain, priced, lam) if 0.0 < lam < 1.0 else (plain if lam == 0.0 else priced)
+                mixed = mixed_weights(plain, priced, lam) if 0.0 < lam < 1.0 else (plain if lam == 0.0 else priced)
                 found.append((value + fixed, fixed, hosted, n, mixed, k, cap))
         # the limits: raise the weights' bounds from the lowest up while one is below the others (the
         # bound is their minimum, so a weight above it needs no work)
@@ -330,7 +331,7 @@ class RuntimeLevels(LevelPricing):
             bound = np.maximum(through(plain), through(priced))
             lam = self._mix.get((hosted, target, n), 0.0)
             if 0.0 < lam < 1.0:
-                bound = np.maximum(bound, through(_mixed(plain, priced, lam)))
+                bound = np.maximum(bound, through(mixed_weights(plain, priced, lam)))
             out = np.minimum(out, self._limited(bound, hosted, target, n))
         return out
 
@@ -343,7 +344,7 @@ class RuntimeLevels(LevelPricing):
         if not mu.any():
             return bound
         k = self._case(hosted, target)[2]  # type: ignore[index]
-        return np.maximum(bound, through(_with_limits(weight, k, mu)) - float(mu @ cap))
+        return np.maximum(bound, through(with_limits(weight, k, mu)) - float(mu @ cap))
 
     def _heuristic(
         self, target: float, scale: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 64.0)
@@ -563,108 +564,3 @@ class RuntimeLevels(LevelPricing):
                 continue
             lo, best = max(lo, reached), level.assignment
         return lo, best
-
-
-def _mixed(plain: np.ndarray, priced: np.ndarray, lam: float) -> np.ndarray:
-    """(1 - lam) plain + lam priced per segment (both inf on the same segments)."""
-    return np.where(np.isfinite(plain), (1.0 - lam) * np.where(np.isfinite(plain), plain, 0.0)
-                    + lam * np.where(np.isfinite(priced), priced, 0.0), np.inf)  # fmt: skip
-
-
-def _best_mixes(
-    pairs: list[tuple[np.ndarray, np.ndarray]], steps: int = 6
-) -> list[tuple[float, float, list[list[tuple[int, int, int]]]]]:
-    """Per (plain, priced) pair: max over lam in [0, 1] of the cheapest path of (1 - lam) plain + lam
-    priced, the lam reaching it and the paths met. Each is a lower bound on the rate of every plan
-    with its first stage on the weights' type: such a plan pays at least plain(P) and at least
-    priced(P) (`_weights`), so at least any mix of the two. The cheapest path of the mix is concave in
-    lam (a minimum of lines), so a bisection on the slope of the path found (priced(P) - plain(P))
-    climbs to its top; lam 0 and 1 are the two weights alone. The pairs' bisections run side by side,
-    each step's paths in one `cheapest_paths` (each pair's result is what it alone would give)."""
-    W = len(pairs)
-    if W == 0:
-        return []
-    plain = np.stack([p for p, _ in pairs])
-    priced = np.stack([q for _, q in pairs])
-    finite = np.isfinite(plain)  # plain and priced are inf on the same segments
-    plain0 = np.where(finite, plain, 0.0)
-    priced0 = np.where(np.isfinite(priced), priced, 0.0)
-    ends, end_paths = cheapest_paths(np.concatenate([plain, priced]))
-    best: list[float] = []
-    best_lam: list[float] = []
-    found: list[list[list[tuple[int, int, int]]]] = []
-    top: list[list[tuple[int, int, int]] | None] = [None] * W
-    lo, hi = [0.0] * W, [1.0] * W
-    active = []
-    for n in range(W):
-        v0, p0, v1, p1 = float(ends[n]), end_paths[n], float(ends[W + n]), end_paths[W + n]
-        found.append([p for p in (p0, p1) if p is not None])
-        best.append(v0 if v0 >= v1 else v1)
-        best_lam.append(0.0 if v0 >= v1 else 1.0)
-        active.append(p0 is not None and p1 is not None)
-    for _ in range(steps):
-        live = [n for n in range(W) if active[n]]
-        if not live:
-            break
-        lam = np.array([0.5 * (lo[n] + hi[n]) for n in live])[:, None, None, None]
-        mixed = np.where(finite[live], (1.0 - lam) * plain0[live] + lam * priced0[live], np.inf)
-        values, paths = cheapest_paths(mixed)
-        for row, n in enumerate(live):
-            value, path, at = float(values[row]), paths[row], float(lam[row, 0, 0, 0])
-            if path is None:
-                active[n] = False
-                continue
-            if value > best[n]:
-                best[n], best_lam[n], top[n] = value, at, path
-            slope = sum(float(priced[n][s]) - float(plain[n][s]) for s in path)
-            if slope > 0:
-                lo[n] = at
-            elif slope < 0:
-                hi[n] = at
-            else:
-                active[n] = False
-    return [(best[n], best_lam[n], found[n] + [p for p in (top[n],) if p is not None]) for n in range(W)]
-
-
-def _with_limits(weight: np.ndarray, k: np.ndarray, mu: np.ndarray) -> np.ndarray:
-    """weight + mu_t k per segment on type t (inf where weight is)."""
-    return np.where(np.isfinite(weight), weight + np.where(np.isfinite(weight), k, 0.0) * mu, np.inf)
-
-
-def relax_limits(
-    weight: np.ndarray,
-    k: np.ndarray,
-    cap: np.ndarray,
-    unit: float,
-    start: np.ndarray | None = None,
-    steps: int = 12,
-) -> tuple[float, np.ndarray, list[list[tuple[int, int, int]]]]:
-    """Lagrangian relaxation of the per-type limits on a segment weight: (the best bound found, its
-    multipliers mu, the paths met). Why a lower bound: every plan P within the limits uses at most
-    cap_t instances of each type t, and at least k(s) on each of its stages s (the fewest reaching the
-    level; stage 0's DataWorkers too), so for mu >= 0, weight(P) >= weight(P) + Σ_t mu_t (use_t(P) -
-    cap_t) >= cheapest_path(weight + mu k) - mu · cap; any plan's rate is at least weight(P) (the
-    weights of `_weights` and their mixes are). Subgradient steps on mu from `start` (the previous
-    level's: levels move little), `unit` the first step ($/hour an instance)."""
-    T = weight.shape[-1]
-    mu = np.zeros(T) if start is None else start.copy()
-    best, best_mu = -math.inf, np.zeros(T)
-    met: list[list[tuple[int, int, int]]] = []
-    step = unit * (0.5 if start is None else 0.2)  # unit: $/hour of the dearest instance
-    for _ in range(steps):
-        value, path = cheapest_path(_with_limits(weight, k, mu))
-        if path is None:
-            return math.inf, mu, met
-        bound = value - float(mu @ cap)
-        if bound > best:
-            best, best_mu = bound, mu.copy()
-        met.append(path)
-        use = np.zeros(T)
-        for s in path:
-            use[s[2]] += float(k[s])
-        over = use - cap
-        if (over <= 0).all() and not (mu * over).any():
-            break  # complementary: the path is within the limits and the bound is its weight
-        mu = np.maximum(0.0, mu + step * over / max(float(np.abs(over).max()), 1.0))
-        step = step * 0.7
-    return best, best_mu, met
