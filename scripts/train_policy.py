@@ -24,7 +24,8 @@ ASHA stops the trials behind; the best trial that ran the full length wins. The 
 (`--runtime-share` of them given the runtime section `heterps profile` writes; labels cached in --labels,
 so a rerun only solves new problems), behaviour cloning on exact's episodes, `--dagger` rounds on the
 policy's own states (labelled with exact's type), `--priced` rounds on them (labelled with the type whose
-completion by exact's remaining types is the cheapest plan meeting the floor; the shipped policy, see
+completion by exact's remaining types is the cheapest plan meeting the floor; `--priced-rollouts`: at
+some layers also by the policy's own greedy completion; the shipped policy, see
 BENCHMARKS.md), then `--ppo-iterations` of PPO on the reward (0: none).
 While /tmp/heterps_quiet exists (another engineer measuring), training waits between iterations.
 """
@@ -148,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     imitation.add_argument("--priced-temperature", type=float, default=0.5, help="their sampling temperature")
     imitation.add_argument(
         "--priced-epochs", type=int, default=None, help="cloning epochs of a priced round (default --epochs)"
+    )
+    imitation.add_argument(
+        "--priced-rollouts",
+        type=int,
+        default=0,
+        help="layers per episode whose types are also priced by the policy's own greedy completion",
     )
     imitation.add_argument("--ppo-iterations", type=int, default=0, help="PPO iterations after imitation")
     parser.add_argument(
@@ -302,6 +309,7 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
             own=args.priced_own,
             walk_steps=args.priced_walk_steps,
             walks=args.priced_walks,
+            rollouts=args.priced_rollouts,
         )
         fit(f"priced {i + 1}", args.priced_epochs)
     metadata = {

@@ -13,7 +13,9 @@ from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
 from heterps_ray.scheduling.rl import ProblemView, greedy_rollout
 from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
+from heterps_ray.scheduling.rl.imitation import _completion_costs as completion_costs
 from heterps_ray.scheduling.rl.imitation import _priced_label as priced_label
+from heterps_ray.scheduling.rl.imitation import _rollout_costs as rollout_costs
 from heterps_ray.scheduling.rl.imitation import _walked as walked
 from heterps_ray.scheduling.rl.imitation import (
     clone,
@@ -24,7 +26,7 @@ from heterps_ray.scheduling.rl.imitation import (
     priced_states,
 )
 from heterps_ray.scheduling.rl.network import PolicyNetwork
-from heterps_ray.scheduling.rl.policy import load_planning_policy
+from heterps_ray.scheduling.rl.policy import PRETRAINED_DIR, load_planning_policy, load_policy
 from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -108,7 +110,9 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
         runnable = [np.flatnonzero(view.mask[layer] > 0.5) for layer in range(view.num_layers)]
         # on exact's own path the label completes to exact's cost: the optimum
         for layer in range(view.num_layers):
-            label = priced_label(view, expert[:layer], [expert[layer + 1 :]], -1, expert[layer])
+            label = priced_label(
+                completion_costs(view, expert[:layer], [expert[layer + 1 :]]), -1, expert[layer]
+            )
             assert view.provision([*expert[:layer], label, *expert[layer + 1 :]]).cost == pytest.approx(
                 optimum
             )
@@ -116,21 +120,42 @@ def test_priced_labels_pick_the_cheapest_feasible_completion_from_where_the_poli
         # feasible one of all types, or no label when none is feasible
         off = view.reference_assignments["cheapest_per_layer"]
         for layer in range(1, view.num_layers):
-            label = priced_label(view, off[:layer], [expert[layer + 1 :]], -1, expert[layer])
+            costs = completion_costs(view, off[:layer], [expert[layer + 1 :]])
             done = {
                 int(t): view.provision([*off[:layer], int(t), *expert[layer + 1 :]]) for t in runnable[layer]
             }
             feasible = {t: p.cost for t, p in done.items() if p.feasible}
             if not feasible:
-                assert label is None
+                assert not costs
                 continue
             checked += 1
+            label = priced_label(costs, -1, expert[layer])
             assert done[label].feasible and done[label].cost == pytest.approx(min(feasible.values()))
     assert checked > 0
     module = PolicyNetwork(len(TYPE_FEATURES), len(CONTEXT_FEATURES), 32, 16)
     states = priced_states(module, problems, labels, samples=2, seed=1)
     assert 0 < len(states) <= 3 * sum(p.num_layers for p in problems)
     assert all(states.observations["action_mask"][i, a] == 1.0 for i, a in enumerate(states.actions))
+
+
+def test_rollouts_price_each_type_by_the_policys_own_greedy_completion():
+    module = load_policy(PRETRAINED_DIR)
+    checked = 0
+    for problem in _problems(4, seed=60):
+        view = ProblemView(problem)
+        greedy = greedy_rollout(module, view)
+        plan = list(greedy.assignment)
+        for layer in (0, view.num_layers // 2, view.num_layers - 1):
+            costs = rollout_costs(module, view, problem.num_types, plan[:layer])
+            assert set(costs) <= set(np.flatnonzero(view.mask[layer] > 0.5).tolist())
+            if greedy.feasible:  # the policy's own type at the layer completes to its greedy plan
+                assert costs[plan[layer]] == pytest.approx(greedy.cost)
+                checked += 1
+    assert checked > 0
+    labels = exact_labels(_problems(2, seed=60))
+    plain = priced_states(module, _problems(2, seed=60), labels, samples=1, seed=1)
+    rolled = priced_states(module, _problems(2, seed=60), labels, samples=1, seed=1, rollouts=3)
+    assert len(rolled) >= len(plain)  # a rollout can only add completions (and labels)
 
 
 def test_the_level_walk_completes_a_held_prefix_to_a_plan_that_meets_the_floor():

@@ -18,6 +18,7 @@ scoring layers (`encode`, `score`) learn, the value head is PPO's.
 
 from __future__ import annotations
 
+import copy
 import math
 import multiprocessing
 import time
@@ -30,7 +31,7 @@ import numpy as np
 from heterps_ray.costmodel import Problem
 from heterps_ray.scheduling.rl.env import ProblemView, SchedulingEnv
 from heterps_ray.scheduling.rl.level_plans import level_plans
-from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
+from heterps_ray.scheduling.rl.scheduler import play_out, problem_fingerprint
 
 Labels = dict[str, list[int] | None]  # problem fingerprint -> exact's assignment (type indices), None: none
 
@@ -268,6 +269,7 @@ def priced_states(
     own: bool = True,
     walk_steps: int = 0,
     walks: int = 2,
+    rollouts: int = 0,
 ) -> States:
     """The states the policy visits itself (its greedy episode and `samples` episodes sampled at
     `temperature`), each labelled by priced completions: for every type the layer can take, the plans
@@ -279,8 +281,12 @@ def priced_states(
     `walk_steps` > 0: a state that no such completion labels (exact's remaining types cannot make up for
     the prefix) is completed by exact's level walk on the remaining layers (`_walked`: the prefix held,
     `walk_steps` quick levels), at most `walks` times per episode; that plan's types then complete the
-    episode's later states too."""
+    episode's later states too.
+    `rollouts` > 0: at that many layers of each episode (drawn at random) every type is also priced by
+    the policy's own greedy completion after it (`_rollout_costs`): the label then improves on the
+    policy where it stands, not only on exact's path back."""
     rng = np.random.default_rng(seed)
+    picker = np.random.default_rng(seed + 7_919)
     observations: list[dict[str, np.ndarray]] = []
     actions: list[int] = []
     pad = max(p.num_types for p in problems)
@@ -290,6 +296,8 @@ def priced_states(
         envs, steps = _episodes(module, view, pad, samples, temperature, rng)
         walked: list[list[int] | None] = [None] * len(envs)  # per episode: its walk's plan
         left = [walks if walk_steps > 0 else 0] * len(envs)
+        n = min(rollouts, view.num_layers)
+        rolled = [set(picker.choice(view.num_layers, n, replace=False).tolist()) for _ in envs]
         for layer, (current, greedy, _) in enumerate(steps):
             for e, (env, obs, preferred) in enumerate(zip(envs, current, greedy, strict=True)):
                 plan = env.assignment
@@ -297,19 +305,41 @@ def priced_states(
                 walk = walked[e]
                 if walk is not None:
                     suffixes.append(walk[layer + 1 :])
-                label = _priced_label(view, plan[:layer], suffixes, preferred, assignment[layer])
-                if label is None and left[e] > 0:
+                costs = _completion_costs(view, plan[:layer], suffixes)
+                expert = assignment[layer]
+                if layer in rolled[e]:
+                    for t, c in _rollout_costs(module, view, pad, plan[:layer]).items():
+                        costs[t] = min(c, costs.get(t, math.inf))
+                if not costs and left[e] > 0:
                     left[e] -= 1
                     walk = walked[e] = _walked(problem, plan[:layer], walk_steps)
                     if walk is not None:
-                        suffixes.append(walk[layer + 1 :])
-                        label = _priced_label(view, plan[:layer], suffixes, preferred, walk[layer])
-                if label is not None:
+                        costs = _completion_costs(view, plan[:layer], [walk[layer + 1 :]])
+                        expert = walk[layer]
+                if costs:
                     observations.append(obs)
-                    actions.append(label)
+                    actions.append(_priced_label(costs, preferred, expert))
     if not actions:
         return _stack([_empty_obs(pad)], [0], pad).head(0)
     return _stack(observations, actions, pad)
+
+
+def _rollout_costs(module: Any, view: ProblemView, pad: int, prefix: Sequence[int]) -> dict[int, float]:
+    """Per type the layer after `prefix` can take, the cost of "prefix, that type, then the policy's
+    greedy choices" when that plan meets the floor (the branches played in lockstep)."""
+    base = SchedulingEnv({"problem": view.problem, "pad_types": pad})
+    base.reset(options={"problem": view})
+    for t in prefix:
+        base.step(t)
+    types = np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist()
+    envs, current = [], []
+    for t in types:
+        env = copy.copy(base)  # the prefix's state, stepped on by each type
+        env.used, env.assignment = base.used.copy(), list(base.assignment)
+        envs.append(env)
+        current.append(env.step(t)[0])
+    results = play_out(module, view, envs, current, np.random.default_rng(0), greedy=len(envs))
+    return {t: r.cost for t, r in zip(types, results, strict=True) if r.feasible}
 
 
 def _walked(problem: Problem, prefix: Sequence[int], steps: int) -> list[int] | None:
@@ -330,24 +360,24 @@ def _walked(problem: Problem, prefix: Sequence[int], steps: int) -> list[int] | 
 _TIE_RTOL = 1e-6  # completions within this of the cheapest are as good as it
 
 
-def _priced_label(
-    view: ProblemView,
-    prefix: Sequence[int],
-    suffixes: Sequence[Sequence[int]],
-    preferred: int,
-    expert: int,
-) -> int | None:
-    """The type whose completion (prefix, type, one of `suffixes`) is the cheapest feasible plan; among
-    equally cheap ones the policy's own `preferred` type, then exact's; None when no completion is
-    feasible (the remaining types cannot make up for the prefix: no label rather than "the fastest")."""
+def _completion_costs(
+    view: ProblemView, prefix: Sequence[int], suffixes: Sequence[Sequence[int]]
+) -> dict[int, float]:
+    """Per type the layer can take, the cost of its cheapest feasible completion (prefix, type, one of
+    `suffixes`); a type with none is left out (empty: the remaining types cannot make up for the prefix)."""
     costs: dict[int, float] = {}
     for t in np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist():
         for suffix in suffixes:
             result = view.record([*prefix, t, *suffix])
             if result.feasible and result.cost < costs.get(t, math.inf):
                 costs[t] = result.cost
-    if not costs:
-        return None
+    return costs
+
+
+def _priced_label(costs: Mapping[int, float], preferred: int, expert: int) -> int:
+    """The type of the cheapest completion (`_completion_costs`, not empty); among equally cheap ones
+    the policy's own `preferred` type, then exact's (no label where no completion is feasible, rather
+    than "the fastest")."""
     cheapest = min(costs.values())
     tied = [t for t, c in costs.items() if c <= cheapest * (1.0 + _TIE_RTOL)]
     for choice in (preferred, expert):

@@ -502,43 +502,55 @@ def policy_rollouts(
     all played in lockstep. `module`: a NumpyPolicy, a PolicyNetwork or the trained TypeScoringModule."""
     envs = [SchedulingEnv({"problems": [view.problem]}) for _ in range(samples + 1)]
     observations = [env.reset(options={"problem": view})[0] for env in envs]
-    rng = np.random.default_rng(seed)
-    if isinstance(module, NumpyPolicy):
-        return _lockstep(module.logits, view, envs, observations, rng, temperature)
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: on a busy machine more threads only wait for each other
-
-    def logits(batch: dict[str, np.ndarray]) -> np.ndarray:
-        with torch.no_grad():
-            return module.logits({k: torch.as_tensor(v) for k, v in batch.items()}).double().numpy()
-
-    try:
-        return _lockstep(logits, view, envs, observations, rng, temperature)
-    finally:
-        torch.set_num_threads(threads)
+    return play_out(module, view, envs, observations, np.random.default_rng(seed), temperature)
 
 
-def _lockstep(
-    logits: Any,
+def play_out(
+    module: Any,
     view: ProblemView,
     envs: list[SchedulingEnv],
     observations: list,
     rng: np.random.Generator,
     temperature: float = 1.0,
+    greedy: int = 1,
 ) -> list[EpisodeResult]:
-    for _ in range(view.num_layers):  # every episode has one step per layer
-        batch = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
-        z = np.asarray(logits(batch), dtype=np.float64) / temperature  # the greedy type is the same
-        z = np.exp(z - z.max(axis=-1, keepdims=True))
-        probabilities = z / z.sum(axis=-1, keepdims=True)
-        actions = [int(np.argmax(probabilities[0]))]
-        actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[1:]]
-        observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
+    """Play `envs` (all at the same layer of `view`, `observations` their current ones) to the end in
+    lockstep: the first `greedy` by the policy's greedy type, the others sampled at `temperature`."""
+    threads = None
+    if isinstance(module, NumpyPolicy):
+        score = module.logits
+    else:
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny matrices: on a busy machine more threads only wait for each other
+        score = _torch_logits(module)
+    try:
+        for _ in range(envs[0].layer, view.num_layers):  # every episode has one step per layer
+            batch = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
+            z = np.asarray(score(batch), dtype=np.float64) / temperature  # the greedy type is the same
+            z = np.exp(z - z.max(axis=-1, keepdims=True))
+            probabilities = z / z.sum(axis=-1, keepdims=True)
+            actions = [int(np.argmax(p)) for p in probabilities[:greedy]]
+            actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[greedy:]]
+            observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
     results = [env.last_result for env in envs]
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
+
+
+def _torch_logits(module: Any) -> Any:
+    """A torch module's type logits as a function of a numpy batch (no gradients)."""
+    import torch
+
+    def logits(batch: dict[str, np.ndarray]) -> np.ndarray:
+        with torch.no_grad():
+            return module.logits({k: torch.as_tensor(v) for k, v in batch.items()}).double().numpy()
+
+    return logits
 
 
 def problem_fingerprint(problem: Problem) -> str:
