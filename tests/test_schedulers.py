@@ -17,6 +17,7 @@ from heterps_ray.scheduling import (
     provision_counts,
     register_scheduler,
 )
+from heterps_ray.scheduling.base_levels import BaseLevels
 from heterps_ray.scheduling.exact import (
     brute_force,
     level_search,
@@ -320,3 +321,26 @@ def test_exact_uses_brute_force_only_on_small_problems():
     small_plan, large_plan = get_scheduler("exact").schedule(small), get_scheduler("exact").schedule(large)
     assert small_plan.extra["method"] == "brute" and large_plan.extra["method"] == "levels"
     assert small_plan.scheduler == large_plan.scheduler == "exact"
+
+
+def test_the_ilp_and_the_counting_dp_agree_on_which_levels_a_plan_reaches():
+    """The fastest-plan search's exact check (BaseLevels._any_path) where the limits bind: the 0/1
+    program over segments (segment_paths.chain_rows) and the counting DP find a plan at the same levels
+    around the highest reachable throughput, and the program's plan keeps every limit."""
+    rng = np.random.default_rng(7)
+    ilp_solves = 0
+    for seed in range(8):
+        problem = tight(generate_problem(200 + seed, num_layers=(12, 20), num_types=(3, 4)), rng)
+        model = CostModel(problem)
+        by_dp, by_ilp = BaseLevels(model), BaseLevels(model, state_limit=0)
+        top = by_dp.max_throughput()
+        assert by_ilp.max_throughput() == pytest.approx(top, rel=1e-12), seed
+        for scale in (0.9, 0.98, 1.0, 1.0 + 1e-9, 1.02, 1.1):
+            dp = by_dp.solve_level(top * scale, objective=False)
+            ilp = by_ilp.solve_level(top * scale, objective=False)
+            assert (dp is None) == (ilp is None), (seed, scale)
+            if ilp is not None:
+                reached = provision_counts(model, ilp.assignment).max_throughput
+                assert reached >= top * scale * (1.0 - 1e-12), (seed, scale)
+        ilp_solves += by_ilp.ilp_solves
+    assert ilp_solves > 0  # the program decided levels
