@@ -23,6 +23,7 @@ matter; gamma = 1 makes every step share the episode's return.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -373,6 +374,13 @@ class SchedulingEnv(gym.Env):
         self.episodes += 1
         info = {"cost": result.provisioned.cost, "feasible": result.feasible}
         return self._observation(terminal=True), result.reward, True, False, info
+
+    def fork(self) -> SchedulingEnv:
+        """This episode at its current layer, as an env that steps on alone (a prefix branched by type):
+        `step` rebinds every other field it changes, so only these two are copied."""
+        other = copy.copy(self)
+        other.assignment, other.used = list(self.assignment), self.used.copy()
+        return other
 
     # -- features ------------------------------------------------------------------------------
 

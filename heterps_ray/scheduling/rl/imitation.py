@@ -18,7 +18,6 @@ scoring layers (`encode`, `score`) learn, the value head is PPO's.
 
 from __future__ import annotations
 
-import copy
 import math
 import multiprocessing
 import time
@@ -334,8 +333,7 @@ def _rollout_costs(module: Any, view: ProblemView, pad: int, prefix: Sequence[in
     types = np.flatnonzero(view.mask[len(prefix)] > 0.5).tolist()
     envs, current = [], []
     for t in types:
-        env = copy.copy(base)  # the prefix's state, stepped on by each type
-        env.used, env.assignment = base.used.copy(), list(base.assignment)
+        env = base.fork()  # the prefix's state, stepped on by each type
         envs.append(env)
         current.append(env.step(t)[0])
     results = play_out(module, view, envs, current, np.random.default_rng(0), greedy=len(envs))
