@@ -85,6 +85,13 @@ class ResourceType(BaseModel):
         description="GiB of memory of the node one actor of this type runs on, a node per actor (default: "
         "this machine's memory, shared by the actors of every type without a node_memory_gb)",
     )
+    gpu_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="cuda types: GiB of GPU memory for sparse-table rows in one actor of this type (the GPU "
+        "tier, DESIGN.md 'Table tiers'; default: as profiled, else measured by the actor: its device's "
+        "free memory less a reserve)",
+    )
     omp_wait_policy: Literal["auto", "passive", "active"] = Field(
         "auto",
         description="how torch's OpenMP threads wait between parallel regions: passive sleeps (where actors "
@@ -105,6 +112,13 @@ class ResourceType(BaseModel):
     def _cuda_asks_for_gpus(cls, v: float, info: ValidationInfo) -> float:
         if info.data.get("device") == "cuda" and v <= 0:
             raise ValueError("num_gpus > 0 for a type whose device is cuda (its actors must ask Ray for a GPU)")
+        return v
+
+    @field_validator("gpu_memory_gb")
+    @classmethod
+    def _gpu_memory_on_cuda(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and info.data.get("device") != "cuda":
+            raise ValueError("gpu_memory_gb is for a type whose device is cuda (it holds table rows in GPU memory)")
         return v
 
     @property
@@ -342,6 +356,12 @@ class RuntimeConfig(BaseModel):
     )
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
+    )
+    gpu_table: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: when stage 0 runs on a cuda type in one DataWorker, the table's rows live in its "
+        "GPU memory (all of them, or the most recently used as a cache in front of the PS shards, within the "
+        "type's gpu_memory_gb); off: they stay on the PS shards",
     )
     gpu_precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32",

@@ -32,7 +32,7 @@ from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
 from heterps_ray.ps.shard import sparse_spec
-from heterps_ray.ps.table import stored_bytes_per_row
+from heterps_ray.ps.table import device_rows_within, stored_bytes_per_row
 
 GIB = 2**30
 NO_SHARD_COUNT = 2**31 - 1  # shards_needed where an actor has no table memory: more than any type has
@@ -238,3 +238,53 @@ def check_plan_holds(
         f"{job.cluster.type(job.cluster.ps_resource).max_instances})",
         num_shards,
     )
+
+
+# -- where the rows live (DESIGN.md §1, "Table tiers") ----------------------------------------------
+
+PLACES = ("gpu", "gpu_cache", "ps")
+
+
+@dataclass(frozen=True)
+class TablePlace:
+    """Where a plan's table rows live: all in the GPU memory of stage 0's DataWorker (``gpu``), the most
+    recently used there as a cache in front of the PS shards (``gpu_cache``), or on the shards (``ps``).
+    `gpu_rows`: the rows the GPU holds at most (-1: as the device's free memory allows, measured by the
+    actor; 0 on the shards)."""
+
+    place: str
+    type: str
+    gpu_rows: int = 0
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.place == "ps":
+            return f"on the PS shards ({self.why})" if self.why else "on the PS shards"
+        held = "as the device's free memory allows" if self.gpu_rows < 0 else f"up to {self.gpu_rows:,} rows"
+        kind = "all rows" if self.place == "gpu" else "a cache of the most recently used rows"
+        return f"in {self.type}'s GPU memory: {kind} ({held})"
+
+
+def table_place(
+    job: JobConfig, stage0_type: str, stage0_replicas: int, estimate: TableEstimate | None, dim: int
+) -> TablePlace:
+    """Where `job`'s table lives under a plan whose stage 0 runs `stage0_replicas` DataWorkers on
+    `stage0_type`: in that GPU's memory when the type is cuda, one DataWorker trains (so a row it holds
+    is the row) and the job lets it (``runtime.gpu_table: auto``; rows whose lifetime the shards manage,
+    TTL or a row cap, stay there); all rows when the estimate fits its ``gpu_memory_gb``, else a cache."""
+    rtype = job.cluster.type(stage0_type)
+    if rtype.device != "cuda":
+        return TablePlace("ps", job.cluster.ps_resource)
+    if job.runtime.gpu_table == "off":
+        return TablePlace("ps", job.cluster.ps_resource, why="runtime.gpu_table: off")
+    if stage0_replicas != 1:
+        return TablePlace("ps", job.cluster.ps_resource, why=f"{stage0_replicas} DataWorkers share the table")
+    if job.table.ttl_batches or job.table.max_shard_mb:
+        return TablePlace("ps", job.cluster.ps_resource, why="the shards expire or cap its rows")
+    if rtype.gpu_memory_gb is None:
+        return TablePlace("gpu", stage0_type, -1)
+    rows = device_rows_within(rtype.gpu_memory_gb * GIB, dim, sparse_spec(job, dim, 0.0).optimizer)
+    if rows < 1:
+        return TablePlace("ps", job.cluster.ps_resource, why=f"{stage0_type}'s gpu_memory_gb holds no row")
+    fits = estimate is None or estimate.rows <= rows
+    return TablePlace("gpu" if fits else "gpu_cache", stage0_type, rows)

@@ -1131,6 +1131,120 @@ static PyObject *Rows_apply(Rows *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Rows by number: the index of a tier above this store (heterps_ray.ps.device_table)             */
+
+/* rows(keys int64[n], out int64[n], create): each key's row number, or -1 for an absent key. With
+ * `create` (distinct keys; an untracked store without admission, used as a plain index) absent keys
+ * get rows first. A lookup (create off) runs without the GIL: the caller keeps writers out (lookups
+ * may run at once). */
+static PyObject *Rows_rows(Rows *t, PyObject *args) {
+    PyObject *ko, *oo;
+    int create;
+    if (!PyArg_ParseTuple(args, "OOp", &ko, &oo, &create)) return NULL;
+    if (create && (t->track || t->admit_after > 1)) {
+        PyErr_SetString(PyExc_ValueError, "rows(create=True) needs a store without admission or counters");
+        return NULL;
+    }
+    Py_buffer kb, ob;
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8;
+    if (get_buf(oo, &ob, 1, 8, n, "out") < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    const int64_t *keys = kb.buf;
+    int64_t *out = ob.buf;
+    /* a buffer of the call's own, not the object's scratch: lookups may run in several threads at once */
+    uint32_t *row = malloc((size_t)(n ? n : 1) * 4);
+    int fail = row == NULL;
+    if (!fail && create) {
+        t->last_n = -1;
+        fail = resolve(t, keys, n, 1, row) < 0;
+    } else if (!fail) {
+        Py_BEGIN_ALLOW_THREADS
+        store_lookup_batch(&t->rows, keys, n, row);
+        Py_END_ALLOW_THREADS
+    }
+    for (int64_t i = 0; !fail && i < n; i++) out[i] = row[i] == NO_ROW ? -1 : (int64_t)row[i];
+    free(row);
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&ob);
+    if (fail) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* get(keys int64[n], weights float32[n, dim], acc float32[n, acc_w], found uint8[n]): the rows of the
+ * keys present (found 1), nothing written for the others (found 0); counters and the clock unchanged */
+static PyObject *Rows_get(Rows *t, PyObject *args) {
+    PyObject *ko, *wo, *ao, *fo;
+    if (!PyArg_ParseTuple(args, "OOOO", &ko, &wo, &ao, &fo)) return NULL;
+    Py_buffer kb, wb = {0}, ab = {0}, fb = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8;
+    int ok = get_buf(wo, &wb, 1, 4 * (Py_ssize_t)t->rows.dim, n, "weights") == 0 &&
+             get_buf(ao, &ab, 1, 4 * (Py_ssize_t)t->rows.acc_w, n, "accumulators") == 0 &&
+             get_buf(fo, &fb, 1, 1, n, "found") == 0;
+    uint32_t *row = ok ? (uint32_t *)scratch(t, (size_t)(n ? n : 1) * 4) : NULL;
+    if (ok && !row) {
+        PyErr_NoMemory();
+        ok = 0;
+    }
+    if (ok) {
+        store_lookup_batch(&t->rows, kb.buf, n, row);
+        size_t wbytes = 4 * (size_t)t->rows.dim, abytes = 4 * (size_t)t->rows.acc_w;
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t hit = row[i] != NO_ROW && !(t->track && expired(t, &t->rows, row[i]));
+            ((uint8_t *)fb.buf)[i] = hit;
+            if (!hit) continue;
+            memcpy((char *)wb.buf + (size_t)i * wbytes, row_w(&t->rows, row[i]), wbytes);
+            memcpy((char *)ab.buf + (size_t)i * abytes, row_acc(&t->rows, row[i]), abytes);
+        }
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (fb.obj) PyBuffer_Release(&fb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* set(keys int64[n], weights float32[n, dim], acc float32[n, acc_w]) -> keys absent: the weights and
+ * accumulators of the keys present are replaced (a tier above writing its rows back), each row marked
+ * changed for the next delta checkpoint; counters unchanged, absent keys skipped */
+static PyObject *Rows_set(Rows *t, PyObject *args) {
+    PyObject *ko, *wo, *ao;
+    if (!PyArg_ParseTuple(args, "OOO", &ko, &wo, &ao)) return NULL;
+    Py_buffer kb, wb = {0}, ab = {0};
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8, absent = 0;
+    int ok = get_buf(wo, &wb, 0, 4 * (Py_ssize_t)t->rows.dim, n, "weights") == 0 &&
+             get_buf(ao, &ab, 0, 4 * (Py_ssize_t)t->rows.acc_w, n, "accumulators") == 0;
+    uint32_t *row = ok ? (uint32_t *)scratch(t, (size_t)(n ? n : 1) * 4) : NULL;
+    if (ok && !row) {
+        PyErr_NoMemory();
+        ok = 0;
+    }
+    if (ok) {
+        store_lookup_batch(&t->rows, kb.buf, n, row);
+        size_t wbytes = 4 * (size_t)t->rows.dim, abytes = 4 * (size_t)t->rows.acc_w;
+        for (int64_t i = 0; i < n; i++) {
+            if (row[i] == NO_ROW) {
+                absent++;
+                continue;
+            }
+            memcpy(row_w(&t->rows, row[i]), (const char *)wb.buf + (size_t)i * wbytes, wbytes);
+            memcpy(row_acc(&t->rows, row[i]), (const char *)ab.buf + (size_t)i * abytes, abytes);
+            store_mark(&t->rows, row[i]);
+        }
+    }
+    PyBuffer_Release(&kb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (ab.obj) PyBuffer_Release(&ab);
+    if (!ok) return NULL;
+    return PyLong_FromLongLong(absent);
+}
+
 /* expire(): drop expired rows and candidates now (lookups already ignore them) -> rows dropped */
 static PyObject *Rows_expire(Rows *t, PyObject *Py_UNUSED(ignored)) {
     int64_t a = store_expire(&t->rows, t->step, t->ttl);
@@ -1141,13 +1255,13 @@ static PyObject *Rows_expire(Rows *t, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Rows_info(Rows *t, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{s:K,s:K,s:n,s:n,s:I,s:L,s:L,s:L,s:n,s:n}", "rows", (unsigned long long)t->rows.live,
+    return Py_BuildValue("{s:K,s:K,s:n,s:n,s:I,s:L,s:L,s:L,s:n,s:n,s:K}", "rows", (unsigned long long)t->rows.live,
                          "candidates", (unsigned long long)t->cand.live, "bytes",
                          (Py_ssize_t)(store_nbytes(&t->rows) + (t->admit_after > 1 ? store_nbytes(&t->cand) : 0)),
                          "row_bytes", (Py_ssize_t)t->rows.row_bytes, "step", t->step, "admitted",
                          (long long)t->admitted, "expired", (long long)t->expired, "evicted",
                          (long long)t->evicted, "index_slots", (Py_ssize_t)t->rows.cap, "recording",
-                         (Py_ssize_t)t->rows.recording);
+                         (Py_ssize_t)t->rows.recording, "removals", (unsigned long long)t->rows.removals);
 }
 
 /* set_clock(step): the step of the last creating pull (a state's, when one is loaded) */
@@ -1352,6 +1466,9 @@ static PyMethodDef Rows_methods[] = {
     {"track_changes", (PyCFunction)Rows_track_changes, METH_VARARGS, "track_changes(0 start | 1 take | 2 commit)"},
     {"export_changes", (PyCFunction)Rows_export_changes, METH_VARARGS,
      "export_changes(which, keys, weights, acc, meta, removed) -> rows written"},
+    {"rows", (PyCFunction)Rows_rows, METH_VARARGS, "rows(keys, out, create): row numbers, -1 absent"},
+    {"get", (PyCFunction)Rows_get, METH_VARARGS, "get(keys, weights, acc, found)"},
+    {"set", (PyCFunction)Rows_set, METH_VARARGS, "set(keys, weights, acc) -> keys absent"},
     {"apply", (PyCFunction)Rows_apply, METH_VARARGS, "apply(which, keys, weights, acc, meta, removed)"},
     {NULL, NULL, 0, NULL},
 };

@@ -237,6 +237,47 @@ class PSShard(Reusable):
             self._metrics.pushed.inc(len(keys))
         return len(keys)
 
+    # -- a tier above (ps/device_table.py: rows in a GPU's memory) -------------------------------
+
+    def fetch_rows(
+        self, table: str, keys: np.ndarray, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whole rows (weights, accumulators, admitted) of distinct `keys` for a tier that takes them
+        over, created and counted for admission as :meth:`pull` does."""
+        self.faults.reached("train")
+        t0 = time.perf_counter()
+        out = self._tables[table].fetch(keys, step=step)
+        self._counts["pulls"] += 1
+        self._counts["keys_pulled"] += len(keys)
+        self._busy_s += time.perf_counter() - t0
+        return out
+
+    def put_rows(
+        self,
+        table: str,
+        keys: np.ndarray,
+        weights: np.ndarray,
+        accumulators: np.ndarray,
+        tags: list[tuple[int, int, int]] | None = None,
+    ) -> int:
+        """Rows a tier above writes back (weights and accumulators of keys it fetched from here), with
+        the batches whose updates they carry, `tags` (DataWorker, batch index, generation), counted in
+        :meth:`applied` as pushes are. A call of a generation older than :meth:`fence`'s is dropped
+        whole. Returns the rows written."""
+        tags = tags or []
+        if any(tag[2] < self._generation for tag in tags):
+            self._counts["stale_dropped"] += 1
+            return 0
+        t0 = time.perf_counter()
+        absent = self._tables[table].put(keys, weights, accumulators) if len(keys) else 0
+        if absent:
+            raise ValueError(f"PS shard {self.index}: {absent} rows written back that it never held")
+        for worker, batch, _ in tags:
+            self._count_applied(worker, batch)
+        self._counts["keys_pushed"] += len(keys)
+        self._busy_s += time.perf_counter() - t0
+        return len(keys)
+
     def _count_applied(self, worker: int, batch: int) -> None:
         counts = self._applied.get(worker, np.zeros(0, dtype=np.int64))
         if batch >= len(counts):
@@ -522,18 +563,18 @@ def split_keys(keys: np.ndarray, num_shards: int) -> KeySplit:
 
 
 class _ShardActors:
-    """PSClient's shards as Ray actors: each call is a Ray call, pulls are gathered, pushes are left
-    in flight (their refs returned)."""
+    """PSClient's shards as Ray actors: each call is a Ray call; what is asked is gathered, what is
+    sent is left in flight (its refs returned)."""
 
     def __init__(self, handles: list[Any]):
         self.handles = handles
 
-    def pull(self, calls: dict[int, tuple[Any, ...]]) -> dict[int, np.ndarray]:
-        refs = {s: self.handles[s].pull.remote(*args) for s, args in calls.items()}
+    def ask(self, method: str, calls: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
+        refs = {s: getattr(self.handles[s], method).remote(*args) for s, args in calls.items()}
         return dict(zip(refs, ray.get(list(refs.values())), strict=True))
 
-    def push(self, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
-        return [self.handles[s].push.remote(*args) for s, args in calls.items()]
+    def send(self, method: str, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
+        return [getattr(self.handles[s], method).remote(*args) for s, args in calls.items()]
 
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([h.stats.remote() for h in self.handles])
@@ -544,17 +585,16 @@ class _ShardActors:
 
 class _HostedShards:
     """PSClient's shards as PSShard objects of this process: plain calls, nothing serialised, and no
-    push left in flight (applied on return)."""
+    call left in flight (applied on return)."""
 
     def __init__(self, shards: list[PSShard]):
         self.shards = shards
 
-    def pull(self, calls: dict[int, tuple[Any, ...]]) -> dict[int, np.ndarray]:
-        return {s: self.shards[s].pull(*args) for s, args in calls.items()}
+    def ask(self, method: str, calls: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
+        return {s: getattr(self.shards[s], method)(*args) for s, args in calls.items()}
 
-    def push(self, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
-        for s, args in calls.items():
-            self.shards[s].push(*args)
+    def send(self, method: str, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
+        self.ask(method, calls)
         return []
 
     def stats(self) -> list[dict[str, Any]]:
@@ -600,7 +640,8 @@ class PSClient:
             rows = self._whole.pull(table, np.ravel(keys), create, False, step)
             return rows.reshape(*np.shape(keys), rows.shape[1])
         split = split or split_keys(keys, len(self.shards))
-        parts = self._link.pull(
+        parts = self._link.ask(
+            "pull",
             {
                 s: (table, split.unique[pos], create, True, step)
                 for s, pos in enumerate(split.positions)
@@ -632,13 +673,56 @@ class PSClient:
             return []
         split = split or split_keys(keys, len(self.shards))
         summed = sum_rows(split.inverse, grads, len(split.unique))
-        return self._link.push(
+        return self._link.send(
+            "push",
             {
                 s: (table, split.unique[pos], summed[pos], tag, True)
                 for s, pos in enumerate(split.positions)
                 if len(pos) or tag is not None
             }
         )
+
+    def fetch_rows(
+        self, table: str, keys: np.ndarray, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whole rows of distinct `keys` for a tier above (PSShard.fetch_rows), in the keys' order:
+        (weights float32[n, dim], accumulators, admitted bool[n])."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        owner = shard_of(keys, len(self.shards))
+        positions = {s: np.flatnonzero(owner == s) for s in range(len(self.shards))}
+        parts = self._link.ask(
+            "fetch_rows", {s: (table, keys[pos], step) for s, pos in positions.items() if len(pos)}
+        )
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        weights, accum, admitted = (np.asarray(a) for a in next(iter(parts.values())))
+        out = (
+            np.empty((len(keys), weights.shape[1]), np.float32),
+            np.empty((len(keys), accum.shape[1]), np.float32),
+            np.empty(len(keys), bool),
+        )
+        for s, part in parts.items():
+            for whole, piece in zip(out, part, strict=True):
+                whole[positions[s]] = piece
+        return out
+
+    def put_rows(
+        self,
+        table: str,
+        keys: np.ndarray,
+        weights: np.ndarray,
+        accumulators: np.ndarray,
+        tags: list[tuple[int, int, int]],
+    ) -> list[Any]:
+        """Write rows back to their shards (PSShard.put_rows); every shard gets a call, so each counts
+        the batches of `tags`. Returns refs (none for hosted shards: written on return)."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        owner = shard_of(keys, len(self.shards))
+        calls = {}
+        for s in range(len(self.shards)):
+            pos = np.flatnonzero(owner == s)
+            calls[s] = (table, keys[pos], weights[pos], accumulators[pos], tags)
+        return self._link.send("put_rows", calls)
 
     def stats(self) -> list[dict[str, Any]]:
         return self._link.stats()

@@ -141,6 +141,18 @@ def stored_bytes_per_row(dim: int, optimizer: str = "adagrad", tracked: bool = F
     return row_bytes(dim, optimizer, tracked) + _INDEX_BYTES
 
 
+def device_row_bytes(dim: int, optimizer: str = "adagrad") -> int:
+    """GPU bytes of one row the GPU tier holds (ps/device_table.py): weights, optimizer state, and per
+    slot a dirty and a held flag, the batch it was last used in and the push's owner (int64 each)."""
+    return 4 * dim + 4 * (1 if optimizer == "rowwise_adagrad" else dim) + 1 + 1 + 8 + 8
+
+
+def device_rows_within(budget_bytes: float, dim: int, optimizer: str = "adagrad") -> int:
+    """Rows the GPU tier may hold within `budget_bytes` of device memory: its slots double as it fills,
+    so at the last doubling the old half and the new whole are both alive (1.5x the rows' bytes)."""
+    return max(0, int(budget_bytes // (1.5 * device_row_bytes(dim, optimizer))))
+
+
 def max_rows_for(memory_bytes: float, dim: int, optimizer: str = "adagrad", admit_after: int = 1) -> int:
     """The row cap (``max_rows``) that keeps one table within `memory_bytes` at its worst: rows with
     counters, the index at its sparsest, and as many keys waiting for admission as rows."""
@@ -234,6 +246,28 @@ class SparseTable:
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(keys), self.dim)
         return int(self._rows.push(keys, grads, unique))
+
+    def fetch(self, keys: np.ndarray, step: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a tier above this table (ps/device_table.py) taking rows it does not hold: distinct
+        `keys` are pulled as :meth:`pull` does (created, counted for admission), then their whole rows
+        are read: (weights float32[n, dim], accumulators float32[n, acc], admitted bool[n]). A key not
+        admitted has no row: zeros, and the tier keeps reading the default row for it."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        self.pull(keys, unique=True, step=step)
+        weights = np.zeros((len(keys), self.dim), dtype=np.float32)
+        accum = np.zeros((len(keys), self._acc_width), dtype=np.float32)
+        found = np.zeros(len(keys), dtype=np.uint8)
+        self._rows.get(keys, weights, accum, found)
+        return weights, accum, found.astype(bool)
+
+    def put(self, keys: np.ndarray, weights: np.ndarray, accumulators: np.ndarray) -> int:
+        """A tier above writes rows back: the weights and accumulators of `keys` (rows this table
+        holds) are replaced and marked changed for the next delta checkpoint; counters unchanged.
+        Returns the keys it does not hold (skipped; none when the tier took its rows from here)."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(len(keys), self.dim)
+        accum = np.ascontiguousarray(accumulators, dtype=np.float32).reshape(len(keys), self._acc_width)
+        return int(self._rows.set(keys, weights, accum))
 
     def sweep(self) -> int:
         """Reclaim the memory of expired rows now (lookups already treat them as absent)."""

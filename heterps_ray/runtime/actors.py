@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from heterps_ray.config import ClusterConfig, JobConfig
-from heterps_ray.costmodel.table_memory import estimate_table, hosted_fits
+from heterps_ray.costmodel.table_memory import TablePlace, estimate_table, hosted_fits, table_place
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard, sparse_spec
@@ -73,6 +73,10 @@ class ActorSet:
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, stages, num_shards, model.embedding_dim)
+        # where the rows live: stage 0's GPU memory (in front of the shards) or the shards alone
+        self.place: TablePlace = table_place(
+            job, stages[0].type, stages[0].replicas, estimate_table(job, model.embedding_dim), model.embedding_dim
+        )
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[ShardHandle] = []
         self.shard_actors: list[Any] = []
@@ -131,6 +135,8 @@ class ActorSet:
             max_in_flight=self.job.runtime.max_in_flight,
             batches_ahead=self.job.runtime.batches_ahead,
             workers=self.num_workers,
+            table=self.table,
+            gpu_rows=self.place.gpu_rows,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
         return warm.spawn(
@@ -264,6 +270,24 @@ class ActorSet:
     def data_wait(self) -> list[float]:
         """Seconds each DataWorker spent blocked on gradients coming back (pipeline bubbles)."""
         return [s["wait_s"] for s in ray.get([w.stats.remote() for w in self.data_workers])]
+
+    def flush_tables(self) -> None:
+        """Rows changed in the DataWorkers' GPU memory back on the PS shards (before a snapshot of the
+        shards and at the end; nothing to do where the rows live on the shards)."""
+        ray.get([w.flush_table.remote() for w in self.data_workers])
+
+    def table_stats(self) -> dict[str, Any]:
+        """Where the table's rows lived and, in GPU memory, the tier's counters summed over the
+        DataWorkers (hit rate: lookups served from the GPU over all lookups)."""
+        parts = ray.get([w.table_stats.remote() for w in self.data_workers])
+        out: dict[str, Any] = {"tier": parts[0]["place"] if parts else "ps"}
+        for key in ("hits", "misses", "fetched", "written_back", "evicted", "rows_held", "device_bytes"):
+            if all(key in p for p in parts):
+                out[key] = sum(int(p[key]) for p in parts)
+        if "hits" in out:
+            looked = out["hits"] + out["misses"]
+            out["hit_rate"] = out["hits"] / looked if looked else None
+        return out
 
     def ps_stats(self) -> list[dict[str, Any]]:
         return ray.get([s.stats() for s in self.shards])

@@ -188,6 +188,7 @@ def train(
         )
         loop = ChunkLoop(actors, recovery, saver, tracker, settings)
         history = loop.run(start)
+        loop.supervised("stats", actors.flush_tables)  # rows held in GPU memory back on the shards
         started = _start_timing(ready_s, loop.first_batch_s)
         # from here on every phase that talks to an actor is supervised: a fault rolls back to the
         # trained state (made durable by the loop) and the phase is done again
@@ -226,6 +227,7 @@ def train(
                 "restarts": recovery.restarts,
                 "max_restarts": job.runtime.max_restarts,
                 "start": started,
+                "table": {"place": actors.place.describe(), **loop.supervised("stats", actors.table_stats)},
                 **counts,
             },
         )

@@ -28,7 +28,7 @@ import ray
 
 from heterps_ray.errors import ConfigError
 from heterps_ray.runtime.faults import batch_accounting
-from heterps_ray.runtime.sparse import PerBatch, PerMicroBatch, SparseRows, SparseSchedule
+from heterps_ray.runtime.sparse import PerBatch, PerMicroBatch, SparseLink, SparseSchedule
 
 
 class Mode(ABC):
@@ -47,7 +47,7 @@ class Mode(ABC):
         return "local"
 
     @abstractmethod
-    def sparse_schedule(self, sparse: SparseRows, busy: Any, batches_ahead: int) -> SparseSchedule:
+    def sparse_schedule(self, sparse: SparseLink, busy: Any, batches_ahead: int) -> SparseSchedule:
         """When this mode pulls and pushes sparse rows (sparse.py)."""
 
     def settle_dense(self, workers: list[Any]) -> list[Any]:
@@ -80,7 +80,7 @@ class Sync(Mode):
                 replicas,
             )
 
-    def sparse_schedule(self, sparse: SparseRows, busy: Any, batches_ahead: int) -> SparseSchedule:
+    def sparse_schedule(self, sparse: SparseLink, busy: Any, batches_ahead: int) -> SparseSchedule:
         return PerBatch(sparse, busy)
 
     def resumes_with(self, saved_workers: int | None, workers: int | None) -> bool:
@@ -103,7 +103,7 @@ class Async(Mode):
     def dense_home(self, replicas: int) -> str:
         return "ps" if replicas > 1 else "local"
 
-    def sparse_schedule(self, sparse: SparseRows, busy: Any, batches_ahead: int) -> SparseSchedule:
+    def sparse_schedule(self, sparse: SparseLink, busy: Any, batches_ahead: int) -> SparseSchedule:
         return PerMicroBatch(sparse, busy, batches_ahead)
 
     def settle_dense(self, workers: list[Any]) -> list[Any]:

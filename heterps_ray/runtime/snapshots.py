@@ -70,6 +70,7 @@ class StateStore:
         shard's report of its snapshot (file, SHA-256, node), for the manifest."""
         actors = self.actors
         ray.get(actors.mode.settle_dense([w for r in actors.stage_workers for w in r]))
+        actors.flush_tables()
         snapshots = [s.snapshot(str(tmp / shard_file(i)), delta) for i, s in enumerate(actors.shards)]
         try:
             owners = actors.trained_actors()
@@ -102,6 +103,7 @@ class StateStore:
     def capture(self) -> dict[str, Any]:
         """The run's start state in memory (PS shards are still nearly empty): the recovery point
         until the first checkpoint."""
+        self.actors.flush_tables()
         owners = self.actors.trained_actors()
         states = ray.get([a.train_state.remote() for a in owners.values()])
         return {

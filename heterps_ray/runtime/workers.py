@@ -26,10 +26,10 @@ import torch
 
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import KeySplit, PSClient, PSShard, TableSpec
+from heterps_ray.ps.shard import PSClient, PSShard, TableSpec
 from heterps_ray.runtime.pipeline import StageSpec, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
-from heterps_ray.runtime.sparse import SPARSE_TABLE, SparseRows
+from heterps_ray.runtime.sparse import SPARSE_TABLE, sparse_link
 from heterps_ray.runtime.stage import Stash
 from heterps_ray.runtime.stage_worker import StageWorker
 from heterps_ray.runtime.worker_base import (
@@ -67,6 +67,10 @@ class DataSettings:
     max_in_flight: int
     batches_ahead: int = 0  # async: batches started before the earlier ones' updates are applied
     workers: int = 1  # DataWorkers of the plan (the table's clock interleaves their batches)
+    readers: int = 1  # threads converting the data's chunks (key hashing, the dense transform)
+    table: TableSpec | None = None  # the sparse table (its rows' home: the PS shards)
+    # rows the GPU tier holds in this worker's device memory (ps/device_table.py); 0: rows on the shards
+    gpu_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,13 +95,13 @@ class _MicroBatch:
     grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
     loss_weight: float  # weight of its mean loss in the batch's reported loss
     step: bool  # local weights step after this micro-batch (a sync batch's last; every one in async)
-    split: KeySplit | None = None  # its keys' split, when it is the whole batch
+    prepared: Any = None  # what the reader worked out for its keys (their split or slots): a whole batch's
     route: list[int] = field(default_factory=list)
     emb: torch.Tensor | None = None
     stash: Stash | None = None
     grad_ref: Any = None
     loss_ref: Any = None
-    loss: float | None = None
+    loss: torch.Tensor | float | None = None
 
 
 class DataWorker(StageActor):
@@ -135,7 +139,9 @@ class DataWorker(StageActor):
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
         self._busy = Busy()
-        self.sparse = SparseRows(self._ps_client(shards), index, data.workers, generation)
+        self.sparse = sparse_link(
+            self._ps_client(shards), index, data.workers, generation, self.device, data.table, data.gpu_rows
+        )
         self.schedule = settings.mode.sparse_schedule(self.sparse, self._busy, data.batches_ahead)
         self._batches = self._reader(skip=0)
         self._batch_index = 0
@@ -144,7 +150,7 @@ class DataWorker(StageActor):
         self._lag = max(0, data.max_in_flight - 1)
         self._fwd_q: deque[_MicroBatch] = deque()
         self._bwd_q: deque[_MicroBatch] = deque()
-        self._done: list[tuple[int, float]] = []  # (batch, weighted loss) of retired micro-batches
+        self._done: list[tuple[int, Any]] = []  # (batch, weighted loss) of retired micro-batches
         self._wait_s = 0.0  # blocked on gradients coming back
         self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
@@ -196,8 +202,8 @@ class DataWorker(StageActor):
         if self.compute.dense is not None:
             self.compute.dense.flush()
         losses = np.zeros(self._batch_index - first_batch)
-        for b, loss in self._done:
-            losses[b - first_batch] += loss
+        for b, loss in self._done:  # a loss computed here is a tensor: read once, not per batch
+            losses[b - first_batch] += float(loss)
         self._done.clear()
         samples = (self._batch_index - first_batch) * self.data.batch_size
         self._samples += samples
@@ -219,6 +225,15 @@ class DataWorker(StageActor):
     def progress(self) -> dict[str, int]:
         """Where this worker is: batches trained (its data position) and sparse updates sent."""
         return {"position": self._batch_index, "updates": self.sparse.updates}
+
+    def table_stats(self) -> dict[str, Any]:
+        """Where this worker's sparse rows live and, in GPU memory, the tier's counters."""
+        return self.sparse.stats()
+
+    def flush_table(self) -> None:
+        """Every sparse row changed in this worker's GPU memory back on the PS shards (before a
+        checkpoint and at the end; nothing to do where the rows live on the shards)."""
+        self.sparse.flush()
 
     def rewire(
         self, generation: int, downstream: list[list[Any]], shards: list[Any] | HostedPS, dense_ps: Any = None
@@ -250,16 +265,18 @@ class DataWorker(StageActor):
             if seen < skip:
                 raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
 
-        def prepare(batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], KeySplit | None]:
-            return batch, self.sparse.split(batch["keys"])
+        def prepare(batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            if self.device.type == "cuda":  # pinned: copied to the GPU while the CPU goes on
+                batch = {**batch, **{k: torch.from_numpy(batch[k]).pin_memory() for k in ("dense", "label")}}
+            return batch, self.sparse.prepare(batch["keys"])
 
         return Prefetcher(batches, prepare, thread=self._spare_core)
 
-    def _train_batch(self, batch: dict[str, np.ndarray], split: KeySplit | None) -> None:
+    def _train_batch(self, batch: dict[str, Any], prepared: Any) -> None:
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
-        self.schedule.start_batch(batch["keys"], split, self._batch_index)
+        self.schedule.start_batch(batch["keys"], prepared, self._batch_index)
         for j in range(k):
             part = slice(j * mb, (j + 1) * mb)
             grad_scale, step = self.schedule.micro_batch(mb, size, last=j == k - 1)
@@ -273,12 +290,12 @@ class DataWorker(StageActor):
                 grad_scale=grad_scale,
                 loss_weight=mb / size,
                 step=step,
-                split=split if k == 1 else None,
+                prepared=prepared if k == 1 else None,
                 route=route(self._counter, self.index, [len(r) for r in self.downstream]),
             )
             self._counter += 1
             self._submit(item)
-        self.schedule.end_batch(self, batch["keys"], split, self._batch_index)
+        self.schedule.end_batch(self, self._batch_index)
         self._batch_index += 1
 
     # -- the in-flight window --------------------------------------------------------------------
@@ -317,22 +334,22 @@ class DataWorker(StageActor):
 
     def _forward(self, item: _MicroBatch) -> None:
         with self._busy:
-            rows = self.schedule.rows(item.keys, item.rows, item.split, item.batch)
-            item.emb = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device).requires_grad_(True)
-            dense = torch.from_numpy(np.ascontiguousarray(item.dense)).to(self.device)
+            rows = self.schedule.rows(item.keys, item.rows, item.prepared, item.batch)
+            item.emb = rows.detach().requires_grad_(True)
+            dense = _on(self.device, item.dense)
             item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
             if not self.downstream:  # one-stage pipeline: the loss is computed here
                 (logit,) = item.stash.outputs
-                loss = loss_fn(logit, torch.from_numpy(np.ascontiguousarray(item.label)).to(self.device))
+                loss = loss_fn(logit, _on(self.device, item.label))
                 self.compute.backward(item.stash, loss=loss * item.grad_scale)
-                item.loss = float(loss.detach())
+                item.loss = loss.detach()  # read at the end of the run: no wait for the GPU per batch
                 return
             ref: Any = to_wire(item.stash.outputs)
         *middle, last = self.downstream
         for s, replicas in enumerate(middle):
             ref = replicas[item.route[s]].forward.remote(item.id, ref, self._generation)
         item.grad_ref, item.loss_ref = last[item.route[-1]].forward_backward.remote(
-            item.id, ref, item.label, item.grad_scale, item.step, self._generation
+            item.id, ref, np.asarray(item.label), item.grad_scale, item.step, self._generation
         )
 
     def _backward(self, item: _MicroBatch) -> None:
@@ -355,9 +372,8 @@ class DataWorker(StageActor):
                 self.compute.backward(item.stash, grads)
         with self._busy:
             assert item.emb is not None and item.loss is not None
-            emb_grad = item.emb.grad.detach().cpu().numpy() if item.emb.grad is not None else None
-            if emb_grad is not None:
-                self.schedule.gradient(item.keys, item.rows, emb_grad, item.split, item.batch)
+            if item.emb.grad is not None:
+                self.schedule.gradient(item.keys, item.rows, item.emb.grad.detach(), item.batch)
             self.compute.step(item.step)
         self._done.append((item.batch, item.loss * item.loss_weight))
         item.emb, item.stash = None, None
@@ -387,8 +403,7 @@ class DataWorker(StageActor):
             dataset.iter_batches(split, batch_size, files=paths, drop_last=False)
         ):
             with self._busy, torch.no_grad():
-                rows = self.sparse.lookup(batch["keys"])
-                emb = torch.from_numpy(rows).to(self.device)
+                emb = self.sparse.lookup(batch["keys"])
                 dense = torch.from_numpy(np.ascontiguousarray(batch["dense"])).to(self.device)
                 ref: Any = to_wire(self.compute.module((dense, emb)))
             for s, replica in enumerate(route(counter, self.index, [len(r) for r in self.downstream])):
@@ -429,6 +444,7 @@ class DataWorker(StageActor):
     def load_train_state(self, state: dict[str, np.ndarray]) -> int:
         """Restore a :meth:`train_state` and skip the batches it had trained; returns how many."""
         self.compute.load_train_state(state)
+        self.sparse.reset()  # the shards were restored: rows held on the GPU are stale
         skip = int(state["data/batch_index"])
         self._batches.close()
         self._batches = self._reader(skip)
@@ -437,3 +453,11 @@ class DataWorker(StageActor):
         self._samples = int(state["data/samples"])
         self.sparse.updates = int(state.get("data/updates", skip))
         return skip
+
+
+def _on(device: torch.device, values: Any) -> torch.Tensor:
+    """A batch's array (numpy, or a pinned tensor the reader made) on `device`; a pinned one is copied
+    without waiting."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device, non_blocking=True)
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device)
