@@ -357,6 +357,12 @@ class RuntimeConfig(BaseModel):
     max_restarts: int = Field(
         3, ge=0, description="actor deaths a run recovers from before it fails (0 = fail on the first)"
     )
+    readers: int | None = Field(
+        None,
+        ge=1,
+        description="threads converting the data's read chunks in each DataWorker (key hashing, the dense "
+        "transform); default: the CPUs its type asks Ray for beyond its torch threads, at least 1",
+    )
     gpu_table: Literal["auto", "off"] = Field(
         "auto",
         description="auto: when stage 0 runs on a cuda type in one DataWorker, the table's rows live in its "

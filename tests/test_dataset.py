@@ -56,6 +56,23 @@ def test_iter_batches_keeps_order_across_files_and_drops_the_last_partial_batch(
     assert list(ds.iter_batches("train", 64)) and kept[0]["keys"].dtype == np.int64
 
 
+def test_several_converting_threads_give_the_same_batches(tmp_path, monkeypatch):
+    """A DataWorker converts its read chunks in several threads (runtime.readers): the same batches,
+    in the same order, across chunk boundaries."""
+    import heterps_ray.data.dataset as dataset_module
+    from heterps_ray.data.synth import synthesize
+
+    synthesize(tmp_path / "d", 3_000, seed=2, rows_per_part=1_000)
+    ds = Dataset(tmp_path / "d")
+    monkeypatch.setattr(dataset_module, "READ_ROWS", 256)  # many chunks, batches spanning them
+    one = list(ds.iter_batches("train", 100))
+    three = list(ds.iter_batches("train", 100, workers=3))
+    assert len(one) == len(three) == 27
+    for a, b in zip(one, three, strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
 def test_partitions_are_disjoint_deterministic_and_cover_the_split(sample_dataset):
     files = sample_dataset.files("train")
     parts = [partition_files(files, 3, i) for i in range(3)]

@@ -16,7 +16,9 @@ Example::
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +127,20 @@ class Dataset:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def iter_batches(
-        self, split: str, batch_size: int, files: list[Path] | None = None, drop_last: bool = True
+        self,
+        split: str,
+        batch_size: int,
+        files: list[Path] | None = None,
+        drop_last: bool = True,
+        workers: int = 1,
     ) -> Iterator[Batch]:
-        """Batches of ``batch_size`` rows in deterministic order; a batch may span two files."""
+        """Batches of ``batch_size`` rows in deterministic order; a batch may span two files.
+        `workers` > 1: that many threads convert the read chunks (key hashing and the dense transform
+        release the GIL), up to `workers` chunks ahead; the batches are the same."""
         if batch_size < 1:
             raise DataError(f"batch_size: expected a positive integer, got {batch_size}")
         rest: Batch | None = None
-        for table in self._tables(split, files):
-            chunk = table_to_batch(table)
+        for chunk in self._converted(split, files, workers):
             if rest is not None:
                 chunk = {k: np.concatenate([rest[k], chunk[k]]) for k in chunk}
             n = len(chunk["label"])
@@ -142,6 +150,20 @@ class Dataset:
             rest = {k: v[full:] for k, v in chunk.items()} if full < n else None
         if rest is not None and not drop_last:
             yield rest
+
+    def _converted(self, split: str, files: list[Path] | None, workers: int) -> Iterator[Batch]:
+        """Each read chunk as a Batch, in order, converted by `workers` threads."""
+        if workers <= 1:
+            yield from (table_to_batch(table) for table in self._tables(split, files))
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+            pending: deque[Future[Batch]] = deque()
+            for table in self._tables(split, files):
+                pending.append(pool.submit(table_to_batch, table))
+                if len(pending) > workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
 
     def _tables(self, split: str, files: list[Path] | None) -> Iterator[pa.Table]:
         for f in self.files(split) if files is None else [Path(f) for f in files]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from heterps_ray.config import ClusterConfig, JobConfig
+from heterps_ray.config import ClusterConfig, JobConfig, ResourceType
 from heterps_ray.costmodel.table_memory import TablePlace, estimate_table, hosted_fits, table_place
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
@@ -42,6 +42,12 @@ def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
     opts = cluster.type(type_name).actor_options()
     bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
     return {k: float(v) for k, v in bundle.items() if v}
+
+
+def readers_of(rtype: ResourceType) -> int:
+    """Threads that convert a DataWorker's data on `rtype` by default: the CPUs its actors ask Ray for
+    beyond their torch threads, at least 1."""
+    return max(1, int(rtype.ray_resources.get("CPU", 1.0)) - rtype.torch_threads)
 
 
 def hosts_shards(job: JobConfig, stages: Sequence[Any], num_shards: int, dim: int | None = None) -> bool:
@@ -135,6 +141,7 @@ class ActorSet:
             max_in_flight=self.job.runtime.max_in_flight,
             batches_ahead=self.job.runtime.batches_ahead,
             workers=self.num_workers,
+            readers=self.job.runtime.readers or readers_of(self.job.cluster.type(stage0.type)),
             table=self.table,
             gpu_rows=self.place.gpu_rows,
         )

@@ -71,7 +71,7 @@ def dense_optimizer(
 ) -> torch.optim.Optimizer:
     """The dense optimizer of a job: Adam (torch defaults besides lr) or plain SGD."""
     params = list(parameters)
-    # foreach=False: the CPU's default loop, also for a net on a GPU (stage.make_optimizer says why)
+    # foreach=False: the CPU's default loop, which a sync stage on the CPU steps bit for bit
     if optimizer.dense == "adam":
         return torch.optim.Adam(params, lr=optimizer.dense_lr, foreach=False)
     return torch.optim.SGD(params, lr=optimizer.dense_lr, foreach=False)

@@ -258,7 +258,9 @@ class DataWorker(StageActor):
         def batches() -> Iterator[dict[str, np.ndarray]]:
             seen = 0
             for _ in range(self.data.epochs):
-                for batch in dataset.iter_batches("train", self.data.batch_size, files=files, drop_last=True):
+                for batch in dataset.iter_batches(
+                    "train", self.data.batch_size, files=files, drop_last=True, workers=self.data.readers
+                ):
                     seen += 1
                     if seen > skip:
                         yield batch
