@@ -11,8 +11,11 @@ It asserts that CUDA is visible, then, in this order:
 2. with Ray (an embedded local Ray, the GPU type declared with its GPUs): a 3-stage sync plan with the
    dense stages on the ``cuda`` type against the same reference (same tolerances); the plan
    checkpointed, resumed (equal to the uninterrupted run) and exported; an async plan with a
-   replicated GPU stage; a profile of the GPU type (its device as measured); and the per-call split
-   of one GPU stage call as the driver pays it: Ray's call, the copies, the compute, the peak memory.
+   replicated GPU stage; the table in the GPU's memory (issue 39): a one-stage plan on the cuda type
+   against the reference, its rows against the same plan's with the rows on the CPU, a cache a
+   quarter of the table, a checkpoint and a resume through it; a profile of the GPU type (its device
+   as measured); and the per-call split of one GPU stage call as the driver pays it: Ray's call, the
+   copies, the compute, the peak memory.
 
 Everything lands in one JSON file (``--out``, default WORKDIR/gpu_check.json) with a pass/fail per
 check; the exit status is 0 when every check passed, 1 when one failed, 2 when CUDA is not visible.
@@ -312,6 +315,8 @@ def _with_ray(
               auc=run.auc, replicas=len(gpu_actors))  # fmt: skip
         out["async"] = {"seconds": run.seconds, "throughput": run.throughput, "auc": run.auc}
 
+        out["gpu_table"] = _gpu_table(job, args, reference, check, workdir)
+
         release_idle()  # the runs' warm actors hold the GPUs the profiler's actors need
         out["profile"] = _profile_gpu_type(job, args, check, expected)
         out["call_split"] = _call_split(job, check)
@@ -320,6 +325,64 @@ def _with_ray(
         if owns:
             ray.shutdown()
     return out
+
+
+def _gpu_table(
+    job: Any, args: argparse.Namespace, reference: dict[str, Any], check: Check, workdir: Path
+) -> dict[str, Any]:
+    """The table in the GPU's memory (issue 39): a one-stage plan on the cuda type against the reference;
+    its rows against the same plan's with the rows on the CPU (the GPU's Adagrad is the CPU store's
+    arithmetic); a cache a quarter of the table; a checkpoint and a resume through it."""
+    from heterps_ray.models import build_model
+    from heterps_ray.ps.table import device_row_bytes
+    from heterps_ray.runtime.checkpoint import load_checkpoint
+    from heterps_ray.runtime.driver import train
+
+    one = _plan([(["embedding", "fc1", "fc2", "logit"], GPU, 1)], 1)
+
+    def run(name: str, steps: int | None = None, resume: bool = False, **changes: Any) -> Any:
+        runtime = {k: v for k, v in changes.items() if k != "gpu_memory_gb"}
+        gpu = job.cluster.type(GPU).model_copy(update={"gpu_memory_gb": changes.get("gpu_memory_gb")})
+        cluster = job.cluster.model_copy(update={"resource_types": [job.cluster.type(CPU), gpu]})
+        variant = job.model_copy(update={"output_dir": workdir / name, "cluster": cluster,
+                                         "runtime": job.runtime.model_copy(update=runtime)})  # fmt: skip
+        return train(variant, one, steps=steps or args.steps, progress=False, overwrite=not resume, resume=resume)
+
+    def rows(summary: Any) -> dict[str, Any]:
+        return load_checkpoint(Path(summary.output_dir) / "model").table.state()
+
+    def rows_diff(a: Any, b: Any) -> float:
+        ra, rb = rows(a), rows(b)
+        if len(ra["keys"]) != len(rb["keys"]) or (ra["keys"] != rb["keys"]).any():
+            return math.inf
+        return float(max(abs(ra[f] - rb[f]).max() for f in ("weights", "accumulators")))
+
+    held = run("table-gpu")
+    _compare("one-stage plan on the cuda type, table in its memory", held.losses, held.auc, reference, check)
+    tier = held.extra["table"]
+    check("the table lived in the GPU's memory", tier["tier"] == "gpu" and tier["device_bytes"] > 0
+          and tier["evicted"] == 0, hit_rate=tier["hit_rate"], rows=tier["rows_held"])  # fmt: skip
+    on_cpu = run("table-cpu", gpu_table="off")
+    diff = rows_diff(held, on_cpu)
+    check("its rows equal those of the same plan with the rows on the CPU", diff < 1e-5, max_row_diff=diff,
+          loss_diff=max(abs(a - b) for a, b in zip(held.losses, on_cpu.losses, strict=True)))  # fmt: skip
+    # a quarter of the rows, or (a short check's small table) half as many as one batch has keys
+    slots = build_model(job.model).num_slots
+    capacity = max(tier["rows_held"] // 4, args.batch_size * slots // 2)
+    cached = run("table-cache", gpu_memory_gb=capacity * 1.5 * device_row_bytes(MODEL["embedding_dim"]) / 2**30)
+    cache = cached.extra["table"]
+    loss_diff = max(abs(a - b) for a, b in zip(cached.losses, held.losses, strict=True))
+    check("a table over the GPU budget trains through the cache to the same model",
+          cache["tier"] == "gpu_cache" and cache["evicted"] > 0 and loss_diff < 1e-5 and rows_diff(cached, held) < 1e-5,
+          table_over_budget=tier["rows_held"] / capacity, hit_rate=cache["hit_rate"], evicted=cache["evicted"],
+          loss_diff=loss_diff)  # fmt: skip
+    half = max(args.steps // 2, 1)
+    run("table-resumed", steps=half, checkpoint_every=half // 2 or 1)
+    resumed = run("table-resumed", resume=True, checkpoint_every=half // 2 or 1)
+    tail = max(abs(a - b) for a, b in zip(resumed.losses[-3:], held.losses[-3:], strict=True))
+    check("checkpointed and resumed with the table in GPU memory equals the uninterrupted run",
+          tail < 1e-5 and rows_diff(resumed, held) < 1e-5, last_losses_diff=tail)  # fmt: skip
+    return {"table": tier, "cache": cache, "throughput": held.throughput, "throughput_rows_on_cpu": on_cpu.throughput}
 
 
 def _profile_gpu_type(job: Any, args: argparse.Namespace, check: Check, expected: str) -> dict[str, Any]:

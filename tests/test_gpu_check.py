@@ -66,6 +66,11 @@ def test_cpu_half_passes_every_check(tmp_path):
         "checkpointed and resumed run equals the uninterrupted one",
         "export of the resumed run",
         "async plan with a replicated GPU stage",
+        "one-stage plan on the cuda type, table in its memory: losses equal the CPU reference's",
+        "the table lived in the GPU's memory",
+        "its rows equal those of the same plan with the rows on the CPU",
+        "a table over the GPU budget trains through the cache to the same model",
+        "checkpointed and resumed with the table in GPU memory equals the uninterrupted run",
         "profile of the GPU type",
         "per-call split of a GPU stage call",
     ):

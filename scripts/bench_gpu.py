@@ -1,0 +1,290 @@
+"""Benchmark: the GPU beside its peer. A plain one-process PyTorch loop on the same card against heterps'
+best plan, side by side in one run, alternating over `--rounds` rounds, at each batch size (issue 39;
+BENCHMARKS.md "The GPU tier"). Medians and ratios are reported; absolute rates only within this run.
+
+* ``plain_gpu``: the CTR-DNN of the job in one process, its table an ``nn.Embedding(sparse=True)`` over
+  the data's distinct keys in GPU memory with ``torch.optim.Adagrad``, Adam on the dense net, TF32 off,
+  each batch copied from pinned host memory (the keys mapped to rows before timing).
+* ``plain_cpu``: the same loop with the table (and its Adagrad) on the CPU: rows copied to the GPU and
+  their gradients back every batch.
+* ``heterps``: ``heterps run`` of the same job (profile -> fit -> plan by exact -> train; the table where
+  the plan puts it: in the GPU's memory for a plan on the GPU type): its steady throughput after the
+  warm-up chunk, the model's prediction, the plan, the profile's time, where the table lived and its hit
+  rate. The first heterps run profiles; the others plan on that profile (``--problem``).
+
+On a GPU machine (prepared with ``bash ../shared/gpu/prepare.sh``; on it ``source .whl/install.sh``)::
+
+    python3 scripts/bench_gpu.py --workdir /tmp/bench_gpu --out bench_gpu.json
+
+On the CPU (CI), tiny, with the cuda type on the CPU under the explicit test flag::
+
+    HETERPS_CUDA_AS_CPU=1 python scripts/bench_gpu.py --tiny --workdir /tmp/bench_gpu_tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The job of the first H200 run (../shared/gpu/h200-2026-12-04/job2m.yaml): CTR-DNN 26 x 16, 1024-1024-512-256.
+MODEL = {"name": "ctr_dnn", "embedding_dim": 16, "hidden": [1024, 1024, 512, 256]}
+TINY_MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_gpu")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results JSON (default: workdir/bench_gpu.json)"
+    )
+    parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (train + eval)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the systems (alternating order)")
+    parser.add_argument("--plain-steps", type=int, default=300, help="timed batches of a plain loop")
+    parser.add_argument("--gpu-type", default="h200", help="name of the cuda resource type")
+    parser.add_argument("--gpu-cpus", type=float, default=6.0, help="CPUs a GPU actor asks Ray for")
+    parser.add_argument("--cpu-cores", type=int, default=4, help="cores of one actor of the cpu type")
+    parser.add_argument("--systems", nargs="+", default=["plain_gpu", "heterps", "plain_cpu"])
+    parser.add_argument("--tiny", action="store_true", help="CI: tiny model, data and profile (CPU)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.rows, args.batch_sizes, args.plain_steps = 6_000, [64, 128], 20
+    args.workdir = args.workdir.resolve()
+    out = (args.out or args.workdir / "bench_gpu.json").resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+
+    import ray
+    import torch
+
+    from heterps_ray.cluster import connect
+    from heterps_ray.config import JobConfig
+    from heterps_ray.data.dataset import prepare_dataset
+    from heterps_ray.devices import claim_device, cuda_seen
+
+    job = JobConfig.model_validate(_job(args, args.batch_sizes[0]))
+    device = claim_device(args.gpu_type, "cuda")
+    started = time.perf_counter()
+    dataset = prepare_dataset(job.data, seed=job.seed)
+    data_s = time.perf_counter() - started
+    train = _load_train(dataset, device)
+    connect(job.cluster)
+    results: dict[str, Any] = {
+        "machine": {"cuda": cuda_seen(), "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+                    "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "data_seconds": round(data_s, 1),
+        "runs": [],
+    }  # fmt: skip
+    problem: Path | None = None
+    try:
+        for rnd in range(args.rounds):
+            sizes = args.batch_sizes if rnd % 2 == 0 else args.batch_sizes[::-1]
+            for batch_size in sizes:
+                systems = args.systems if rnd % 2 == 0 else args.systems[::-1]
+                for system in systems:
+                    if system == "heterps":
+                        run, problem = _heterps(args, batch_size, problem, rnd)
+                    else:
+                        run = _plain(train, job, device, batch_size, args.plain_steps, system == "plain_gpu")
+                    run.update(system=system, batch_size=batch_size, round=rnd)
+                    results["runs"].append(run)
+                    print(json.dumps(run), flush=True)
+    finally:
+        ray.shutdown()
+    results["summary"] = _summary(results["runs"])
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    for line in _table(results["summary"]):
+        print(line)
+    print(f"wrote {out}")
+    return 0
+
+
+def _job(args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
+    tiny = args.tiny
+    gpu = {
+        "name": args.gpu_type,
+        "device": "cuda",
+        "price_per_hour": 4.10,
+        "max_instances": 1,
+        "ray_resources": {"CPU": 0.5 if tiny else args.gpu_cpus},
+        "num_gpus": 1,
+        "torch_threads": 1 if tiny else 2,
+        "bandwidth_gbps": 50,
+        "io_bandwidth_gbps": 8,
+        "latency_ms": 0.1,
+    }
+    cpu = {"name": "cpu", "device": "cpu", "price_per_hour": 0.17, "max_instances": 2 if tiny else 3,
+           "ray_resources": {"CPU": 0.5 if tiny else args.cpu_cores}, "torch_threads": 1 if tiny else args.cpu_cores,
+           "bandwidth_gbps": 10, "io_bandwidth_gbps": 4, "latency_ms": 0.2}  # fmt: skip
+    return {
+        "name": f"bench-gpu-{batch_size}",
+        "model": TINY_MODEL if tiny else MODEL,
+        "cluster": {"name": "gpu-box", "resource_types": [cpu, gpu], "ps": {"resource": "cpu"}},
+        "data": {"path": str(args.workdir / "data"), "synth_rows": args.rows},
+        "batch_size": batch_size,
+        "samples": 100_000_000,
+        "throughput_min": 0 if tiny else 60_000,
+        "mode": "sync",
+        "scheduler": "exact",
+        "output_dir": str(args.workdir / f"run-{batch_size}"),
+        "seed": 0,
+    }
+
+
+# -- the plain loop ---------------------------------------------------------------------------------
+
+
+def _load_train(dataset: Any, device: Any) -> dict[str, Any]:
+    """The train split as the plain loop reads it: each key mapped to a row of one embedding table
+    (pandas.factorize over all keys, before any timing), in pinned host memory on a GPU machine."""
+    import pandas as pd
+    import torch
+
+    batch = dataset.load("train")
+    codes, uniques = pd.factorize(batch["keys"].ravel())
+    tensors = {
+        "rows": torch.from_numpy(codes.astype(np.int64).reshape(batch["keys"].shape)),
+        "dense": torch.from_numpy(batch["dense"]),
+        "label": torch.from_numpy(batch["label"]),
+    }
+    if device.type == "cuda":
+        tensors = {k: v.pin_memory() for k, v in tensors.items()}
+    return {**tensors, "distinct": len(uniques)}
+
+
+def _plain(
+    train: dict[str, Any], job: Any, device: Any, batch_size: int, steps: int, table_on_gpu: bool
+) -> dict[str, Any]:
+    """One plain loop: `steps` timed batches after a warm-up of 20 (the data wraps around)."""
+    import torch
+
+    from heterps_ray.devices import set_precision
+    from heterps_ray.models import build_model, loss_fn
+
+    set_precision(device, "fp32")
+    spec = build_model(job.model)
+    net = spec.build(0, spec.num_layers, job.seed).to(device)
+    table_device = device if table_on_gpu else torch.device("cpu")
+    table = torch.nn.Embedding(train["distinct"], spec.embedding_dim, sparse=True).to(table_device)
+    torch.nn.init.uniform_(table.weight, -spec.embedding_init_scale, spec.embedding_init_scale)
+    sparse_opt = torch.optim.Adagrad(table.parameters(), lr=job.optimizer.sparse_lr,
+                                     initial_accumulator_value=job.optimizer.sparse_init_accumulator)  # fmt: skip
+    dense_opt = torch.optim.Adam(net.parameters(), lr=job.optimizer.dense_lr)
+    batches = len(train["label"]) // batch_size
+    warmup, losses = 20, []
+
+    def step(i: int) -> None:
+        part = slice((i % batches) * batch_size, (i % batches + 1) * batch_size)
+        rows = train["rows"][part].to(table_device, non_blocking=True)
+        dense = train["dense"][part].to(device, non_blocking=True)
+        label = train["label"][part].to(device, non_blocking=True)
+        emb = table(rows).to(device, non_blocking=True)
+        (logit,) = net((dense, emb))
+        loss = loss_fn(logit, label)
+        sparse_opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        losses.append(loss.detach())
+
+    for i in range(warmup):
+        step(i)
+    _sync(device)
+    started = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    _sync(device)
+    seconds = time.perf_counter() - started
+    return {"throughput": steps * batch_size / seconds, "seconds": round(seconds, 3), "steps": steps,
+            "last_loss": float(losses[-1])}  # fmt: skip
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- heterps ----------------------------------------------------------------------------------------
+
+
+def _heterps(
+    args: argparse.Namespace, batch_size: int, problem: Path | None, rnd: int
+) -> tuple[dict[str, Any], Path]:
+    """`heterps run` of the job at `batch_size`: profiled when no problem is given yet."""
+    from heterps_ray.closedloop.run import run_job
+    from heterps_ray.config import JobConfig
+
+    job = JobConfig.model_validate(_job(args, batch_size))
+    job = job.model_copy(update={"output_dir": Path(job.output_dir) / f"round{rnd}"})
+    started = time.perf_counter()
+    report = run_job(job, overwrite=True, progress=False, quick_profile=args.tiny, problem_file=problem)
+    wall = time.perf_counter() - started
+    summary = json.loads((Path(report.output_dir) / "run_summary.json").read_text())
+    run = {
+        "throughput": report.achieved_throughput,
+        "predicted": report.predicted_throughput,
+        "model_error": report.achieved_throughput / report.predicted_throughput - 1 if report.predicted_throughput else None,
+        "plan": report.plan,
+        "auc": report.auc,
+        "seconds": {**report.seconds, "wall": round(wall, 1)},
+        "profiled": problem is None,
+        "table": summary["extra"].get("table"),
+        "steady_samples": summary["samples"],
+    }  # fmt: skip
+    return run, problem or Path(report.output_dir) / "problem.yaml"
+
+
+# -- figures ----------------------------------------------------------------------------------------
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per batch size: each system's median throughput, and heterps over the plain loops."""
+    out: dict[str, Any] = {}
+    for batch_size in sorted({r["batch_size"] for r in runs}):
+        mine = [r for r in runs if r["batch_size"] == batch_size]
+        medians = {s: statistics.median(r["throughput"] for r in mine if r["system"] == s)
+                   for s in sorted({r["system"] for r in mine})}  # fmt: skip
+        row: dict[str, Any] = {"median": medians}
+        if "heterps" in medians:
+            for peer in ("plain_gpu", "plain_cpu"):
+                if peer in medians:
+                    row[f"heterps_over_{peer}"] = medians["heterps"] / medians[peer]
+            errors = [
+                r["model_error"] for r in mine if r["system"] == "heterps" and r["model_error"] is not None
+            ]
+            row["model_error_median"] = statistics.median(errors) if errors else None
+        out[str(batch_size)] = row
+    return out
+
+
+def _table(summary: dict[str, Any]) -> list[str]:
+    lines = ["batch   system      median samples/s"]
+    for batch_size, row in summary.items():
+        for system, rate in row["median"].items():
+            lines.append(f"{batch_size:>6}  {system:<10}  {rate:>16,.0f}")
+        for key, value in row.items():
+            if key.startswith("heterps_over") or key == "model_error_median":
+                lines.append(
+                    f"{batch_size:>6}  {key}: {value:.3f}"
+                    if value is not None
+                    else f"{batch_size:>6}  {key}: -"
+                )
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
