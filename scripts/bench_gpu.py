@@ -56,10 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-cpus", type=float, default=6.0, help="CPUs a GPU actor asks Ray for")
     parser.add_argument("--cpu-cores", type=int, default=4, help="cores of one actor of the cpu type")
     parser.add_argument("--systems", nargs="+", default=["plain_gpu", "heterps", "plain_cpu"])
-    parser.add_argument("--tiny", action="store_true", help="CI: tiny model, data and profile (CPU)")
+    parser.add_argument("--tiny", action="store_true", help="CI: tiny model and data (CPU)")
+    parser.add_argument(
+        "--quick-profile", action="store_true", help="a rough profile (the default with --tiny)"
+    )
+    parser.add_argument(
+        "--full-profile", action="store_true", help="the job's whole profile, also with --tiny"
+    )
+    parser.add_argument(
+        "--min-samples",
+        type=int,
+        default=6_000_000,
+        help="samples each heterps run trains at least (epochs over the data)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
-        args.rows, args.batch_sizes, args.plain_steps = 6_000, [64, 128], 20
+        args.rows, args.batch_sizes, args.plain_steps, args.min_samples = 6_000, [64, 128], 20, 0
+    args.quick_profile = (args.quick_profile or args.tiny) and not args.full_profile
     args.workdir = args.workdir.resolve()
     out = (args.out or args.workdir / "bench_gpu.json").resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +152,8 @@ def _job(args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
         "scheduler": "exact",
         "output_dir": str(args.workdir / f"run-{batch_size}"),
         "seed": 0,
+        # a run long enough for its steady rate (several chunks after the warm-up one)
+        "runtime": {"epochs": max(1, -(-args.min_samples // int(args.rows * 0.9)))},
     }
 
 
@@ -231,7 +246,9 @@ def _heterps(
     job = JobConfig.model_validate(_job(args, batch_size))
     job = job.model_copy(update={"output_dir": Path(job.output_dir) / f"round{rnd}"})
     started = time.perf_counter()
-    report = run_job(job, overwrite=True, progress=False, quick_profile=args.tiny, problem_file=problem)
+    report = run_job(
+        job, overwrite=True, progress=False, quick_profile=args.quick_profile, problem_file=problem
+    )
     wall = time.perf_counter() - started
     summary = json.loads((Path(report.output_dir) / "run_summary.json").read_text())
     run = {

@@ -214,3 +214,23 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
         time.sleep(1.0)
     assert other.cores > 0.6, other.cores
     assert other.cpu_ms == pytest.approx(other.cores * 1000.0 * 1.0, rel=0.2)
+
+
+def test_a_slow_types_probes_train_about_probe_seconds_and_at_least_one_read_chunk(tmp_path):
+    """Probe length: 100 steady batches where a batch is fast; where it is slow (a CPU type at a big
+    batch) as many as last PROBE_SECONDS, never fewer than one of the data's read chunks."""
+    from helpers import TINY_MODEL, local_job
+
+    from heterps_ray.data.dataset import READ_ROWS
+    from heterps_ray.profiling.probes import PROBE_SECONDS, PROBE_WARMUP, batch_ms_of, probe_steps
+    from heterps_ray.profiling.rows import Row
+
+    job = local_job("probe", TINY_MODEL, tmp_path, tmp_path / "out", batch_size=2048)
+    chunk = READ_ROWS // 2048
+    assert probe_steps(job) == probe_steps(job, batch_ms=3.0) == PROBE_WARMUP + 100
+    assert probe_steps(job, batch_ms=30.0) == PROBE_WARMUP + int(PROBE_SECONDS * 1000 / 30)
+    assert probe_steps(job, batch_ms=300.0) == PROBE_WARMUP + chunk
+    assert probe_steps(job, steps=7, batch_ms=300.0) == 7
+    rows = [Row("stage", "cpu", batch_size=b, ms=0.5 + 0.01 * b) for b in (64, 256, 1024)]
+    rows += [Row("layer", "cpu", layer="fc1", batch_size=64, ms=99.0)]
+    assert batch_ms_of(rows, 2048) == pytest.approx({"cpu": 0.5 + 0.01 * 2048})

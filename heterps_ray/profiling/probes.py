@@ -32,6 +32,7 @@ profiling: the runner is passed in (:data:`ProbeRunner`; heterps_ray.closedloop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
 PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
+# A probe's steady batches last about this long (s) where 100 of them would last longer: on a slow type at
+# a big batch (a 4-core CPU type at 2048 on CTR-DNN 1024-1024-512-256: 74 ms a batch) 100 batches made
+# the probes 66 s of an 88 s profile; one read chunk's worth stays the fewest.
+PROBE_SECONDS = 1.5
 # Batches in a probe's warm-up chunk (train(first_chunk=...); a run's is loop.CHUNK_STEPS, 20): on a
 # reused actor it holds the first read chunk's conversion and the first calls, and the batches after
 # it already run at the steady rate (quickstart, per 4 batches: the window from batch 4 within 1% of
@@ -58,14 +63,37 @@ ONE_STAGE_AGREE = 0.04  # two one-stage runs further apart than this (of their m
 ONE_STAGE_REPEATS = 2  # runs of each one-stage probe (interleaved across types); a third where they disagree
 
 
-def probe_steps(job: JobConfig, steps: int = PROBE_STEPS) -> int:
+def probe_steps(job: JobConfig, steps: int = PROBE_STEPS, batch_ms: float | None = None) -> int:
     """Batches a probe trains: `steps`, or (0) the warm-up chunk and one of the dataset's read chunks
     of READ_ROWS rows (a long run pays a chunk's conversion every READ_ROWS rows: the steady window,
     after the first PROBE_WARMUP batches, holds exactly one; a shorter probe would miss it and read
-    fast), at least 100 steady batches (two steady chunks)."""
+    fast), at least 100 steady batches (two steady chunks), or where a batch takes `batch_ms` (the
+    profile's estimate for the probe's plan) as many as last PROBE_SECONDS."""
     from heterps_ray.data.dataset import READ_ROWS
 
-    return steps or PROBE_WARMUP + max(100, READ_ROWS // job.batch_size)
+    if steps:
+        return steps
+    chunk = READ_ROWS // job.batch_size
+    steady = 100 if not batch_ms else min(100, math.ceil(PROBE_SECONDS * 1000.0 / batch_ms))
+    return PROBE_WARMUP + max(chunk, steady)
+
+
+def batch_ms_of(rows: list[Row], batch_size: int) -> dict[str, float]:
+    """Each type's ms for the whole model at `batch_size`: its "stage" rows (the whole model timed
+    in one actor) fitted as a line in the batch size, at least what its largest batch took."""
+    import numpy as np
+
+    out: dict[str, float] = {}
+    for name in {r.resource for r in rows if r.kind == "stage"}:
+        timed = [(r.batch_size, r.ms) for r in rows if r.kind == "stage" and r.resource == name and r.ms == r.ms]
+        sizes = np.array([b for b, _ in timed], dtype=float)
+        ms = np.array([m for _, m in timed], dtype=float)
+        if len(set(sizes)) > 1:
+            slope, fixed = np.polyfit(sizes, ms, 1)
+            out[name] = max(float(fixed + slope * batch_size), float(ms[sizes == sizes.max()].mean()))
+        elif len(ms):
+            out[name] = float(ms.mean()) * batch_size / float(sizes[0])
+    return out
 
 
 def probe_plans(
@@ -108,12 +136,14 @@ def probe_runs(
     settings: ProfileSettings,
     run_probe: ProbeRunner,
     notes: list[str],
+    batch_ms: dict[str, float] | None = None,
 ) -> list[Row]:
     """The profile's probe phase (:func:`probe_plans`, in order): one row per probe with its steady ms per batch and the CPU ms
     of other work beside it, on the job's data (a synthetic dataset as large as the probes read when
     the job has none yet). A one-stage run with more than ``settings.probe_background`` cores of other
     work beside it is taken again, and a type whose two one-stage runs disagree gets a third (at
-    most ``settings.probe_extra`` runs added in all)."""
+    most ``settings.probe_extra`` runs added in all). `batch_ms`: each type's estimated ms a batch (the
+    profile's whole-model timings, :func:`batch_ms_of`): a slow type's probes train fewer batches."""
     import tempfile
 
     from tqdm.auto import tqdm
@@ -121,7 +151,13 @@ def probe_runs(
     from heterps_ray.data import DEFAULT_EVAL_FRACTION
 
     layers = [layer.name for layer in spec.layers]
-    steps = probe_steps(job, settings.probe_steps or 0)
+    batch_ms = batch_ms or {}
+
+    def steps_of(caller: str, callee: str) -> int:
+        slowest = max((batch_ms[t] for t in (caller, callee) if t in batch_ms), default=None)
+        return probe_steps(job, settings.probe_steps or 0, slowest)
+
+    steps = max((steps_of(t, "") for t in types), default=probe_steps(job, settings.probe_steps or 0))
     scratch = None
     if not is_dataset(Path(job.data.path)):
         from heterps_ray.data.synth import synthesize
@@ -139,10 +175,10 @@ def probe_runs(
         queue, extra, decided = list(plans), settings.probe_extra, False
         while queue:
             caller, callee, split = queue.pop(0)
-            label = _probe_label(layers, caller, callee, split, steps)
+            label = _probe_label(layers, caller, callee, split, steps_of(caller, callee))
             bar.set_postfix_str(label)
             with OtherWork() as background:
-                ms = run_probe(job, layers, caller, callee, split, steps)
+                ms = run_probe(job, layers, caller, callee, split, steps_of(caller, callee))
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
             row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,

@@ -56,6 +56,7 @@ from heterps_ray.profiling.probes import (
     ONE_STAGE_REPEATS,
     PROBE_STEPS,
     ProbeRunner,
+    batch_ms_of,
     probe_runs,
 )
 from heterps_ray.profiling.rows import GPU_COLUMNS, Row
@@ -333,7 +334,9 @@ def measure(
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
         started = time.perf_counter()
-        rows += probe_runs(job, spec, [t.name for t in present], settings, run_probe, notes)
+        rows += probe_runs(
+            job, spec, [t.name for t in present], settings, run_probe, notes, batch_ms_of(rows, job.batch_size)
+        )
         seconds["probes"] = time.perf_counter() - started
     if skipped:
         notes.append(f"resource types not in the cluster, not profiled: {skipped}")
