@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.update(system=system, batch_size=batch_size, round=rnd)
                     results["runs"].append(run)
                     print(json.dumps(run), flush=True)
+                    out.write_text(json.dumps(results, indent=2, default=str) + "\n")  # so far, if cut short
     finally:
         ray.shutdown()
     results["summary"] = _summary(results["runs"])
@@ -260,7 +261,9 @@ def _heterps(
         "seconds": {**report.seconds, "wall": round(wall, 1)},
         "profiled": problem is None,
         "table": summary["extra"].get("table"),
-        "steady_samples": summary["samples"],
+        "samples": summary["samples"],
+        "train_seconds": summary["seconds"],
+        "data_wait_s": summary["extra"].get("data_wait_s"),  # blocked on the reader / on gradients
     }  # fmt: skip
     return run, problem or Path(report.output_dir) / "problem.yaml"
 

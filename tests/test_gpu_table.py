@@ -98,13 +98,15 @@ def in_gpu_memory(ray_local, dataset, tmp_path_factory) -> RunSummary:
     return train(_job(dataset, out, checkpoint_every=20), ONE_STAGE, steps=STEPS, progress=False)
 
 
-def test_the_plan_puts_the_rows_in_the_cuda_types_memory_and_not_elsewhere(dataset, tmp_path):
+def test_the_rows_go_to_the_cuda_types_memory_where_one_dataworker_hosts_the_shards(dataset, tmp_path):
     job = _job(dataset, tmp_path, gpu_memory_gb=1.0)
-    assert table_place(job, GPU, 1, None, 4).place == "gpu"
-    assert table_place(job, "cpu_small", 1, None, 4).place == "ps"
-    assert table_place(job, GPU, 2, None, 4).place == "ps"  # two DataWorkers would hold two copies
+    assert table_place(job, GPU, True, None, 4).place == "gpu"
+    assert table_place(job, "cpu_small", True, None, 4).place == "ps"
+    assert table_place(job, GPU, False, None, 4).place == "ps"  # several DataWorkers would hold copies
     off = job.model_copy(update={"runtime": job.runtime.model_copy(update={"gpu_table": "off"})})
-    assert table_place(off, GPU, 1, None, 4).place == "ps"
+    assert table_place(off, GPU, True, None, 4).place == "ps"
+    ttl = job.model_copy(update={"table": job.table.model_copy(update={"ttl_batches": 50})})
+    assert table_place(ttl, GPU, True, None, 4).place == "ps"  # the shards expire rows the GPU holds
 
 
 def test_a_sync_run_with_its_rows_in_gpu_memory_trains_the_reference_model(in_gpu_memory, reference):
@@ -144,17 +146,17 @@ def test_a_checkpointed_run_resumed_equals_the_uninterrupted_one(ray_local, data
     _same_rows(_rows(resumed), _rows(in_gpu_memory), atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "kind,point,hosting", [("data_worker", "train", "auto"), ("ps_shard", "checkpoint", "actors")]
-)
-def test_a_killed_actor_ends_the_run_as_the_undisturbed_one(
-    ray_local, dataset, tmp_path, in_gpu_memory, kind, point, hosting
+@pytest.mark.parametrize("point", ["train", "checkpoint"])
+def test_a_killed_dataworker_ends_the_run_as_the_undisturbed_one(
+    ray_local, dataset, tmp_path, in_gpu_memory, point
 ):
-    """A DataWorker killed mid-chunk loses the rows its GPU held since the last flush; a shard killed
-    inside a checkpoint loses what the tier wrote back to it: both roll back to the checkpoint before,
-    the tier starts empty, and the run replays to the undisturbed model."""
+    """The DataWorker holds the rows in its GPU's memory and the shards behind them: killed mid-chunk,
+    or inside a checkpoint (after its rows went back to the shards, before they were written), it takes
+    both with it; the run rolls back to the checkpoint before, the tier starts empty, and it replays to
+    the undisturbed model."""
+    kind = "data_worker"
     killer = PhaseKiller(kind, point, "sigkill", at=40, flag_dir=str(tmp_path))
-    job = _job(dataset, tmp_path / "out", checkpoint_every=20, ps_hosting=hosting)
+    job = _job(dataset, tmp_path / "out", checkpoint_every=20)
     summary = train(job, ONE_STAGE, steps=STEPS, progress=False, on_chunk=killer)
     (fault,) = summary.extra["faults"]
     assert [a["kind"] for a in fault["actors"]] == [kind]
@@ -177,3 +179,43 @@ def test_a_table_four_times_over_the_gpu_budget_trains_the_same_model_through_th
     assert 0.0 < table["hit_rate"] < in_gpu_memory.extra["table"]["hit_rate"]
     np.testing.assert_allclose(cached.losses, in_gpu_memory.losses, rtol=0, atol=1e-6)
     _same_rows(_rows(cached), _rows(in_gpu_memory), atol=1e-6)
+
+
+@pytest.mark.parametrize("first,then", [(ONE_STAGE, "cpu_small"), ("cpu_small", ONE_STAGE)])
+def test_a_re_plan_moves_the_table_between_the_gpu_and_the_cpu(
+    ray_local, dataset, tmp_path, in_gpu_memory, first, then
+):
+    """A run stopped at a checkpoint resumes under another plan (an elastic or floor re-plan does so):
+    from the rows in GPU memory to a plan on a CPU type, and back. The checkpoint is the shards', so
+    either way the run ends with the undisturbed model."""
+    on_cpu = _plan([(["embedding", "fc1", "fc2", "logit"], "cpu_small")])
+    plans = [on_cpu if p == "cpu_small" else p for p in (first, then)]
+    job = _job(dataset, tmp_path, checkpoint_every=20)
+    head = train(job, plans[0], steps=STEPS // 2, progress=False)
+    tail = train(job, plans[1], steps=STEPS, progress=False, resume=True)
+    assert {head.extra["table"]["tier"], tail.extra["table"]["tier"]} == {"gpu", "ps"}
+    assert tail.extra["resumed_from"]["plan_changed"]
+    np.testing.assert_allclose(tail.losses[-10:], in_gpu_memory.losses[-10:], rtol=0, atol=1e-6)
+    _same_rows(_rows(tail), _rows(in_gpu_memory), atol=1e-6)
+
+
+def test_the_profile_prices_the_gpu_tier_and_the_plan_says_where_the_table_lives(ray_local, dataset, tmp_path):
+    """A (quick) profile of a cluster with a cuda type measures its GPU tier (the per-row cost with the
+    rows held, and for rows taken and given back) and the rows its memory holds; the model prices a plan
+    on it with the rows there, and the printed plan says so instead of a shard actor's rate."""
+    from heterps_ray.closedloop.probes import profile_job
+    from heterps_ray.costmodel import CostModel, problem_from_dict
+    from heterps_ray.profiling.profiler import ProfileSettings
+
+    job = _job(dataset, tmp_path, gpu_memory_gb=0.01)
+    problem = problem_from_dict(profile_job(job, ProfileSettings.quick(progress=False)).problem)
+    terms, table = problem.runtime, problem.ps.table
+    assert terms is not None and table is not None
+    assert set(terms.gpu_table_ms_per_row) == set(terms.gpu_miss_ms_per_row) == {GPU}
+    assert terms.gpu_table_ms_per_row[GPU] > 0 and terms.gpu_miss_ms_per_row[GPU] > 0
+    assert table.gpu_rows[GPU] == int(0.01 * 2**30 // (1.5 * device_row_bytes(4)))
+    assert table.gpu_hit_rate[GPU] == 1.0  # the table fits
+    on_gpu = CostModel(problem).evaluate([GPU] * 4, [1], 1)
+    assert on_gpu.runtime is not None and on_gpu.runtime.table.place == "gpu"
+    shown = Plan.from_evaluation(problem, on_gpu, "manual").table()
+    assert "GPU memory (all rows)" in shown and "(parameter server)" not in shown

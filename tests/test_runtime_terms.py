@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from heterps_ray.costmodel import CostModel, as_executed, problem_from_dict
+from heterps_ray.costmodel.plan import Plan
 from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.provisioning import provision_counts
@@ -54,6 +55,35 @@ TERMS = {"call_ms": {"a": 1.0, "b": 2.0}, "ps_wait_ms_per_row": 0.001, "ps_hoste
 
 def _model(**runtime) -> CostModel:
     return CostModel(problem_from_dict(_problem({**TERMS, **runtime})))
+
+
+def test_the_table_lives_in_stage_0s_gpu_memory_when_it_hosts_the_shards_and_is_priced_there():
+    """Stage 0 on b (a type with a measured GPU tier) hosting the shards keeps the rows in b's memory:
+    a row costs gpu_table_ms_per_row there instead of the hosted shards' rate, and gpu_miss_ms_per_row
+    for the share a cache does not serve; on a, or with shard actors, the rows stay on the shards."""
+    gpu = {"gpu_table_ms_per_row": {"b": 0.002}, "gpu_miss_ms_per_row": {"b": 0.01}}
+    model = _model(mode="sync", **gpu)
+    on_b = model.evaluate(["b", "b", "b"], [1], 1)
+    on_a = model.evaluate(["a", "a", "a"], [1], 1)
+    assert on_b.runtime is not None and on_a.runtime is not None
+    assert on_b.runtime.table.place == "gpu" and on_a.runtime.table.place == "ps"
+    plain = _model(mode="sync").evaluate(["b", "b", "b"], [1], 1)
+    assert plain.runtime is not None and plain.runtime.table.place == "ps"
+    rows = 10 * B  # per batch
+    assert on_b.runtime.stage_ms[0] - plain.runtime.stage_ms[0] == pytest.approx(rows * (0.002 - 0.0005))
+    cached = _problem({**TERMS, "mode": "sync", **gpu})
+    cached["ps"]["table"] = {"rows": 1000, "bytes_per_row": 100.0, "budget_gb": {"a": 1.0, "b": 1.0},
+                             "shards_needed": 1, "gpu_rows": {"b": 250}, "gpu_hit_rate": {"b": 0.8}}  # fmt: skip
+    cache = CostModel(problem_from_dict(cached)).evaluate(["b", "b", "b"], [1], 1)
+    assert cache.runtime is not None and cache.runtime.table.place == "gpu_cache"
+    assert cache.runtime.stage_ms[0] - on_b.runtime.stage_ms[0] == pytest.approx(rows * 0.2 * 0.01)
+    off = _model(mode="sync", gpu_table="off", **gpu).evaluate(["b", "b", "b"], [1], 1)
+    assert off.runtime is not None and off.runtime.table.place == "ps"
+    actors = _model(mode="sync", ps_hosting="actors", **gpu).evaluate(["b", "b", "b"], [1], 1)
+    assert actors.runtime is not None and actors.runtime.table.place == "ps"
+    plan = Plan.from_evaluation(model.problem, on_b, "manual")
+    assert (plan.table_place, plan.table_type) == ("gpu", "b")
+    assert "GPU memory (all rows)" in plan.table() and plan.table_ms == pytest.approx(rows * 0.002)
 
 
 def test_sync_two_stages_wait_for_each_other_with_calls_bytes_input_and_hosted_ps():
@@ -207,6 +237,13 @@ def _check_levels_against(model: CostModel, cheapest: float, fastest: float) -> 
         ({"mode": "async", "micro_batches": 2}, 5000.0, "actors"),
         ({"mode": "sync", "micro_batches": 4}, 1500.0, "actors"),
         ({"mode": "async"}, 1e6, "auto"),  # no plan meets the floor: the fastest plan
+        # the rows in b's GPU memory where stage 0 runs on b and hosts the shards (the table's place)
+        ({"mode": "sync", "gpu_table_ms_per_row": {"b": 0.004}}, 2000.0, "auto"),
+        (
+            {"mode": "async", "gpu_table_ms_per_row": {"b": 1e-5}, "gpu_miss_ms_per_row": {"b": 0.01}},
+            3000.0,
+            "auto",
+        ),
     ],
 )
 @pytest.mark.parametrize("shared_host", [True, False])

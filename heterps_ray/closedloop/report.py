@@ -53,6 +53,9 @@ class RunReport:
     # samples/s: the predicted throughput within the profile's own spread (problem runtime.spread of
     # the plan's types, the widest); None: a problem without one (a quick profile, a given file)
     predicted_range: list[float] | None = None
+    # where the sparse rows lived (DESIGN.md "Table tiers") and, in GPU memory, the share of lookups
+    # served there (run_summary.json's extra.table)
+    sparse_table: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> str:
         err = (
@@ -88,6 +91,10 @@ class RunReport:
         if any(s is not None for s in restarts):  # each re-plan's first batch, from the decision on
             shown = ", ".join("?" if s is None else f"{s:.1f} s" for s in restarts)
             lines.append(f"  re-plans    first batch {shown} after the decision")
+        if self.sparse_table.get("place"):
+            hits = self.sparse_table.get("hit_rate")
+            lines.append(f"  table       {self.sparse_table['place']}"
+                         + (f"; {hits:.1%} of lookups served there" if hits is not None else ""))  # fmt: skip
         if self.auc is not None:
             lines.append(f"  model       AUC {self.auc:.4f}, logloss {self.logloss:.4f}")
         if self.node_requests:
@@ -151,6 +158,7 @@ def build_report(
         node_wait_s=round(sum(r["seconds"] for r in node_requests or []), 2),
         node_wait_cost=round(sum(r["cost"] for r in node_requests or []), 6),
         node_requests=list(node_requests or []),
+        sparse_table=dict(summary.extra.get("table", {})) if summary is not None else {},
     )
 
 

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,6 +57,14 @@ class Plan:
     batch_size: int = 0
     samples: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # scheduler-specific notes (JSON-able)
+    # where the sparse rows live (DESIGN.md "Table tiers"): "gpu" (all in stage 0's GPU memory),
+    # "gpu_cache" (the hot ones there, in front of the shards) or "ps" (on the shards), on `table_type`;
+    # None: the plan does not say (a problem without runtime terms, a hand-written plan): the runtime decides
+    table_place: str | None = None
+    table_type: str = ""
+    table_ms: float | None = None  # stage 0's ms a batch for its rows there (in its stage time)
+    table_hit_rate: float | None = None  # the share of lookups its GPU memory serves
+    ps_hosted: bool = False  # the shards live in stage 0's DataWorker (no actors of their own)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -72,6 +80,8 @@ class Plan:
         extra: dict[str, Any] | None = None,
     ) -> Plan:
         names, layer_names = problem.type_names, problem.layer_names
+        table = evaluation.runtime.table if evaluation.runtime is not None else None
+        rows_per_batch = sum(layer.sparse_rows_per_sample for layer in problem.layers) * problem.batch_size
         assignment: list[str] = []
         stages = []
         for s in evaluation.stages:
@@ -100,6 +110,11 @@ class Plan:
             batch_size=problem.batch_size,
             samples=float(problem.samples),
             extra=dict(extra or {}),
+            table_place=table.place if table is not None else None,
+            table_type=stages[0].type if table is not None and table.place != "ps" else problem.ps_resource,
+            table_ms=table.ms_per_row * rows_per_batch if table is not None else None,
+            table_hit_rate=table.hit_rate if table is not None and table.place != "ps" else None,
+            ps_hosted=evaluation.runtime is not None and evaluation.runtime.ps_hosted,
         )
 
     @property
@@ -164,6 +179,11 @@ class Plan:
             batch_size=raw.batch_size,
             samples=raw.samples,
             extra=raw.extra,
+            table_place=raw.table_place,
+            table_type=raw.table_type,
+            table_ms=raw.table_ms,
+            table_hit_rate=raw.table_hit_rate,
+            ps_hosted=raw.ps_hosted,
         )
         if problem is not None:
             check_plan(plan, problem, file)
@@ -194,9 +214,7 @@ class Plan:
             lines.append(
                 f"{i:<6} {_layer_span(s.layers):<28} {s.type:<10} {s.replicas:>8} {_ms(s.stage_ms):>16} {_num(s.throughput):>23}"
             )
-        lines.append(
-            f"{'ps':<6} {'(parameter server)':<28} {self.ps_type:<10} {self.ps_shards:>8} {'-':>16} {_num(self.ps_throughput):>23}"
-        )
+        lines.append(self._table_row())
         lines.append("-" * len(header))
         lines.append(
             f"throughput {_num(self.throughput)} samples/s | cost rate {self.cost_rate:,.3f} $/h | "
@@ -205,6 +223,21 @@ class Plan:
         if not self.feasible and self.best_throughput is not None:
             lines.append(f"the highest throughput any plan reaches: {_num(self.best_throughput)} samples/s")
         return "\n".join(lines)
+
+
+    def _table_row(self) -> str:
+        """Where the rows live and at what rate: the shard actors' own rate, or, where stage 0 holds
+        them (hosted shards, its GPU's memory), its ms a batch for them and the rate that alone allows."""
+        if self.table_place in ("ps", None) and not self.ps_hosted:
+            return f"{'ps':<6} {'(parameter server)':<28} {self.ps_type:<10} {self.ps_shards:>8} {'-':>16} {_num(self.ps_throughput):>23}"
+        if self.table_place in ("ps", None):
+            where, count = f"{self.ps_shards} PS shard(s) in stage 0", self.ps_shards
+        else:
+            kind = "all rows" if self.table_place == "gpu" else f"cache, {self.table_hit_rate or 0:.1%} hits"
+            where, count = f"GPU memory ({kind})", 1
+        ms = self.table_ms if self.table_ms is not None else 0.0
+        rate = "in stage 0" if ms <= 0 else _num(1000.0 * self.batch_size / ms)
+        return f"{'table':<6} {where:<28} {self.table_type or self.ps_type:<10} {count:>8} {_ms(ms):>16} {rate:>23}"
 
 
 def check_plan(plan: Plan, problem: Problem, file: str | None = None) -> None:
@@ -285,6 +318,11 @@ class _PlanFile(BaseModel):
     batch_size: int = 0
     samples: float = 0.0
     extra: dict[str, Any] = Field(default_factory=dict)
+    table_place: Literal["gpu", "gpu_cache", "ps"] | None = None
+    table_type: str = ""
+    table_ms: float | None = None
+    table_hit_rate: float | None = None
+    ps_hosted: bool = False
 
 
 def _runs(assignment: list[int]) -> list[tuple[int, int, int]]:

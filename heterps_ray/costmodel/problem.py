@@ -73,6 +73,16 @@ class PSTable(BaseModel):
     budget_gb: dict[str, float] = Field(description="per resource type: GiB of table rows one actor may hold")
     shards_needed: int = Field(ge=1, description="PS shards on the PS type that hold the table")
     shard_cap_gb: float | None = Field(None, gt=0, description="the job's table.max_shard_mb, GiB")
+    gpu_rows: dict[str, int] = Field(
+        default_factory=dict,
+        description="per cuda type: rows its GPU memory holds for the table (its gpu_memory_gb, or as "
+        "profiled: the device's free memory less a reserve)",
+    )
+    gpu_hit_rate: dict[str, float] = Field(
+        default_factory=dict,
+        description="per cuda type: the share of key lookups its GPU memory serves at gpu_rows (1: every "
+        "row fits; less: a cache, measured by replaying the data's keys through it; absent: 1)",
+    )
     notes: str | None = None
 
 
@@ -161,6 +171,21 @@ class RuntimeTerms(BaseModel):
         ge=0,
         description="the same when the shards live in the DataWorker's process (the profiler leaves it "
         "at 0: its one-stage probes calibrate the layer times with the hosted shards' work in them)",
+    )
+    gpu_table: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: a plan that hosts its shards in one DataWorker on a type of gpu_table_ms_per_row "
+        "keeps the rows in that GPU's memory (DESIGN.md 'Table tiers'); off: on the shards",
+    )
+    gpu_table_ms_per_row: dict[str, float] = Field(
+        default_factory=dict,
+        description="per cuda type: ms a DataWorker spends per sparse row of a batch with the rows in its "
+        "GPU memory (the keys' lookup, the gather and the update on the device)",
+    )
+    gpu_miss_ms_per_row: dict[str, float] = Field(
+        default_factory=dict,
+        description="per cuda type: ms per row its GPU memory does not hold (fetched from the shards, "
+        "written back when it leaves)",
     )
 
     @property
@@ -260,9 +285,10 @@ class Problem(BaseModel):
                     )
                 seen[type_name] = host.name
         if self.runtime is not None:
-            for type_name in self.runtime.call_ms:
-                if type_name not in names:
-                    raise ConfigError(file, "runtime.call_ms", f"resource types, of {names}", type_name)
+            for field in ("call_ms", "gpu_table_ms_per_row", "gpu_miss_ms_per_row"):
+                for type_name in getattr(self.runtime, field):
+                    if type_name not in names:
+                        raise ConfigError(file, f"runtime.{field}", f"resource types, of {names}", type_name)
             if self.runtime.mode == "sync" and self.runtime.batches_ahead:
                 raise ConfigError(
                     file,

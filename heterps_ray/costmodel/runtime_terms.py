@@ -9,9 +9,12 @@ Per micro-batch of ``b = B / K`` samples (``K`` = micro-batches), for stage ``j`
 * every stage after the first receives calls from the DataWorker: two (forward, backward), or one
   (forward + loss + backward) for the last stage; a call's round trip is its type's ``call_ms``, of
   which the stage is busy its ``call_overhead_ms`` (the rest is in flight and at the caller);
-* stage 0 (the DataWorker) also reads its input and waits for the PS: ``ps_wait_ms_per_row`` per
-  sparse row, or ``ps_hosted_ms_per_row`` when it hosts the shards itself (``ps_hosting: auto``,
-  one DataWorker, no replicated stage);
+* stage 0 (the DataWorker) also reads its input and pays for its sparse rows where they live
+  (:func:`table_rate`): ``ps_wait_ms_per_row`` per row waiting for shard actors,
+  ``ps_hosted_ms_per_row`` when it hosts the shards itself (``ps_hosting: auto``, one DataWorker, no
+  replicated stage), and, hosting them on a cuda type with a measured ``gpu_table_ms_per_row``, that
+  per row with the rows in its GPU memory, plus ``gpu_miss_ms_per_row`` for the share its GPU memory
+  does not serve (``ps.table.gpu_hit_rate``: a cache in front of the shards);
 * ``busy_j`` = all of the above that stage ``j``'s actor spends per micro-batch.
 
 A DataWorker waits for a micro-batch's round through every stage: ``loop = Σ_j busy_j`` plus the
@@ -47,6 +50,33 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class TableRate:
+    """Where a plan's sparse rows live (DESIGN.md "Table tiers": ``gpu``, all in stage 0's GPU memory;
+    ``gpu_cache``, the hot ones there in front of the shards; ``ps``, on the shards) and what one row of a
+    batch costs its DataWorker there, ms."""
+
+    place: str
+    ms_per_row: float
+    hit_rate: float = 1.0
+
+
+def table_rate(problem: Problem, terms: RuntimeTerms, type_name: str, hosted: bool) -> TableRate:
+    """The place and per-row cost of the rows of a plan whose stage 0 runs on `type_name`: in its GPU's
+    memory when the plan hosts its shards (one DataWorker trains: a row it holds is the row), the type's
+    tier was measured (``gpu_table_ms_per_row``) and ``gpu_table`` is auto; else on the shards. The
+    runtime places them by the same rule (costmodel/table_memory.table_place)."""
+    shards = TableRate("ps", terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row)
+    if not hosted or terms.gpu_table != "auto" or type_name not in terms.gpu_table_ms_per_row:
+        return shards
+    table = problem.ps.table
+    if table is not None and table.gpu_rows.get(type_name, 1) < 1:
+        return shards
+    hit = table.gpu_hit_rate.get(type_name, 1.0) if table is not None else 1.0
+    miss = (1.0 - hit) * terms.gpu_miss_ms_per_row.get(type_name, 0.0)
+    return TableRate("gpu" if hit >= 1.0 else "gpu_cache", terms.gpu_table_ms_per_row[type_name] + miss, hit)
+
+
+@dataclass(frozen=True)
 class RuntimeLimits:
     """What bounds one plan in the runtime: per stage and overall, in samples/s."""
 
@@ -56,6 +86,7 @@ class RuntimeLimits:
     loop_throughput: float  # what the DataWorkers' loops allow
     host_throughput: float  # what the shared hosts' cores allow (inf: none shared)
     ps_hosted: bool  # the DataWorker hosts the shards (no PS call leaves its process)
+    table: TableRate = TableRate("ps", 0.0)  # where the rows live and a row's cost to stage 0 there
 
     @property
     def throughput(self) -> float:
@@ -86,6 +117,7 @@ def limits(
     hosted = terms.ps_hosting == "auto" and all(k == 1 for k in replicas)
     work = _busy(model, stages, hosted)
     K, S = terms.micro_batches, len(stages)
+    table = table_rate(model.problem, terms, model.problem.resources[stages[0][2]].name, hosted)
     counts = [1] * S if terms.mode == "sync" else list(replicas)  # sync: one replica does all the work
     return RuntimeLimits(
         stage_ms=tuple(K * ms for ms in work.busy),
@@ -96,6 +128,7 @@ def limits(
         loop_throughput=_loop_throughput(model, work, counts[0]),
         host_throughput=_host_throughput(model, stages, work, K, hosted),
         ps_hosted=hosted,
+        table=table,
     )
 
 
@@ -174,7 +207,7 @@ def _busy(model: CostModel, stages: Sequence[tuple[int, int, int]], hosted: bool
         if j == 0:
             other += problem.input_bytes_per_sample * b / (types[0].io_gbps * BYTES_PER_MS_PER_GBPS)
             rows = model.rows_per_sample * b
-            other += rows * (terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row)
+            other += rows * table_rate(problem, terms, types[0].name, hosted).ms_per_row
         work.busy.append(compute + other)
         work.compute.append(compute)
         work.waiting.append(waiting)

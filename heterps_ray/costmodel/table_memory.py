@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
@@ -143,15 +145,26 @@ def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
     return section
 
 
-def with_table(data: dict[str, Any], job: JobConfig, dim: int | None = None) -> dict[str, Any]:
+def with_table(
+    data: dict[str, Any], job: JobConfig, dim: int | None = None, gpu_rows: dict[str, int] | None = None
+) -> dict[str, Any]:
     """A problem mapping given `job`'s table: ``ps.table`` (so the planner uses at least its
-    shards_needed), and ``runtime.ps_hosting: actors`` when some type that can run the first layer
-    cannot hold the whole table in its DataWorker (hosted shards would not fit there). Unchanged when
-    the job's dataset does not exist yet."""
+    shards_needed, and prices the GPU tier of each cuda type: the rows its memory holds, `gpu_rows` as
+    the profile measured them where the type names no gpu_memory_gb, else those the mapping had, and
+    the share of lookups it serves), and ``runtime.ps_hosting: actors`` when some type that can run the
+    first layer cannot hold the whole table in its DataWorker (hosted shards would not fit there).
+    Unchanged when the job's dataset does not exist yet."""
     estimate = estimate_table(job, dim)
     if estimate is None:
         return data
-    data.setdefault("ps", {})["table"] = table_section(job, estimate)
+    before = (data.get("ps") or {}).get("table") or {}
+    section = table_section(job, estimate)
+    dim = dim if dim is not None else _embedding_dim(job)
+    held = gpu_rows_of(job, dim, {**before.get("gpu_rows", {}), **(gpu_rows or {})})
+    if held:
+        section["gpu_rows"] = held
+        section["gpu_hit_rate"] = {name: gpu_hit_rate(job, rows, estimate.rows) for name, rows in held.items()}
+    data.setdefault("ps", {})["table"] = section
     runtime = data.get("runtime")
     if runtime is not None and runtime.get("ps_hosting", "auto") == "auto":
         first = [t for t in data["layers"][0]["time_ms"] if t in data["ps"]["table"]["budget_gb"]]
@@ -265,26 +278,102 @@ class TablePlace:
         return f"in {self.type}'s GPU memory: {kind} ({held})"
 
 
-def table_place(
-    job: JobConfig, stage0_type: str, stage0_replicas: int, estimate: TableEstimate | None, dim: int
-) -> TablePlace:
-    """Where `job`'s table lives under a plan whose stage 0 runs `stage0_replicas` DataWorkers on
-    `stage0_type`: in that GPU's memory when the type is cuda, one DataWorker trains (so a row it holds
-    is the row) and the job lets it (``runtime.gpu_table: auto``; rows whose lifetime the shards manage,
-    TTL or a row cap, stay there); all rows when the estimate fits its ``gpu_memory_gb``, else a cache."""
-    rtype = job.cluster.type(stage0_type)
-    if rtype.device != "cuda":
-        return TablePlace("ps", job.cluster.ps_resource)
-    if job.runtime.gpu_table == "off":
-        return TablePlace("ps", job.cluster.ps_resource, why="runtime.gpu_table: off")
-    if stage0_replicas != 1:
-        return TablePlace("ps", job.cluster.ps_resource, why=f"{stage0_replicas} DataWorkers share the table")
+def gpu_table_setting(job: JobConfig) -> str:
+    """``runtime.gpu_table`` as it applies to `job`: "off" also where the shards manage its rows'
+    lifetime (TTL or a row cap): they would expire or evict rows the GPU holds."""
     if job.table.ttl_batches or job.table.max_shard_mb:
-        return TablePlace("ps", job.cluster.ps_resource, why="the shards expire or cap its rows")
+        return "off"
+    return job.runtime.gpu_table
+
+
+def table_place(
+    job: JobConfig, stage0_type: str, hosted: bool, estimate: TableEstimate | None, dim: int
+) -> TablePlace:
+    """Where `job`'s table lives under a plan whose stage 0 runs on `stage0_type` and `hosted` says
+    whether it hosts its shards (one DataWorker and no replicated stage: a row it holds is the row): in
+    that GPU's memory when the type is cuda and the job lets it (:func:`gpu_table_setting`); all rows
+    when the estimate fits its ``gpu_memory_gb``, else a cache. The cost model prices by the same rule
+    (runtime_terms.table_rate)."""
+    rtype = job.cluster.type(stage0_type)
+    ps = job.cluster.ps_resource
+    if rtype.device != "cuda":
+        return TablePlace("ps", ps)
+    if gpu_table_setting(job) == "off":
+        return TablePlace("ps", ps, why="runtime.gpu_table: off, or the shards expire or cap its rows")
+    if not hosted:
+        return TablePlace("ps", ps, why="shard actors: several DataWorkers or replicated stages")
     if rtype.gpu_memory_gb is None:
         return TablePlace("gpu", stage0_type, -1)
     rows = device_rows_within(rtype.gpu_memory_gb * GIB, dim, sparse_spec(job, dim, 0.0).optimizer)
     if rows < 1:
-        return TablePlace("ps", job.cluster.ps_resource, why=f"{stage0_type}'s gpu_memory_gb holds no row")
+        return TablePlace("ps", ps, why=f"{stage0_type}'s gpu_memory_gb holds no row")
     fits = estimate is None or estimate.rows <= rows
     return TablePlace("gpu" if fits else "gpu_cache", stage0_type, rows)
+
+
+def _embedding_dim(job: JobConfig) -> int:
+    from heterps_ray.models import build_model
+
+    return build_model(job.model).embedding_dim
+
+
+def gpu_rows_of(job: JobConfig, dim: int, measured: dict[str, int]) -> dict[str, int]:
+    """The rows each cuda type's GPU memory holds for `job`'s table: from its ``gpu_memory_gb``, else
+    as `measured` by the profile (its device's free memory less a reserve); types with neither left out."""
+    optimizer = sparse_spec(job, dim, 0.0).optimizer
+    out = {}
+    for rtype in job.cluster.resource_types:
+        if rtype.device != "cuda":
+            continue
+        if rtype.gpu_memory_gb is not None:
+            out[rtype.name] = device_rows_within(rtype.gpu_memory_gb * GIB, dim, optimizer)
+        elif rtype.name in measured:
+            out[rtype.name] = int(measured[rtype.name])
+    return out
+
+
+HIT_RATE_SAMPLE_ROWS = 500_000  # training rows whose keys give the popularity a cache's hit rate is estimated from
+
+
+def gpu_hit_rate(job: JobConfig, capacity: int, rows: int) -> float:
+    """The share of key lookups a GPU memory of `capacity` rows serves for `job`'s table of `rows`
+    expected rows: 1 where they fit; else an LRU cache's hit rate under the data's key popularity
+    (Che's approximation, over the keys of the first HIT_RATE_SAMPLE_ROWS training rows, the capacity
+    scaled to the share of the table they hold)."""
+    if capacity >= rows:
+        return 1.0
+    from heterps_ray.data.dataset import Dataset
+
+    keys = []
+    seen = 0
+    for batch in Dataset(job.data.path).iter_batches("train", 8192, drop_last=False):
+        keys.append(batch["keys"].ravel())
+        seen += len(batch["keys"])
+        if seen >= HIT_RATE_SAMPLE_ROWS:
+            break
+    counts = np.unique(np.concatenate(keys), return_counts=True)[1] if keys else np.zeros(0)
+    return lru_hit_rate(counts, capacity * len(counts) / max(rows, 1))
+
+
+def lru_hit_rate(counts: np.ndarray, capacity: float) -> float:
+    """Hit rate of an LRU cache of `capacity` items over a stream with the item counts `counts`, under
+    independent requests with that popularity (Che, Tung, Wang 2002: an item stays for a characteristic
+    time T, sum_i (1 - e^(-p_i T)) = capacity; a request of item i finds it with 1 - e^(-p_i T)), the first
+    request of each item a miss in any cache."""
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum()
+    if total <= 0 or capacity <= 0:
+        return 0.0
+    if capacity >= len(counts):
+        return 1.0 - len(counts) / total
+    p = counts / total
+    low, high = 0.0, 1.0
+    while np.sum(-np.expm1(-p * high)) < capacity:
+        high *= 2.0
+    for _ in range(100):  # bisection on T
+        mid = 0.5 * (low + high)
+        if np.sum(-np.expm1(-p * mid)) < capacity:
+            low = mid
+        else:
+            high = mid
+    return float(np.sum((counts - 1.0) * -np.expm1(-p * high)) / total)

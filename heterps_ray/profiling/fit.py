@@ -45,7 +45,9 @@ from heterps_ray.ps.atomic import write_bytes_atomic
 #             as much, 4 in flight, received by an actor of `resource` in `ms`: its own work per call),
 #             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer"),
 #             "probe" (a runtime probe, probes.py: its plan's steady ms per batch in `ms`),
-#             "probe_disturbed" (a one-stage probe run taken again: other work ran beside it; not fitted)
+#             "probe_disturbed" (a one-stage probe run taken again: other work ran beside it; not fitted),
+#             "gpu_table" (the GPU tier of a cuda type: `rows` key rows of batches it held, in `ms`),
+#             "gpu_miss" (`rows` rows it fetched from a shard and wrote back, in `ms`)
 #   forward_ms / backward_ms   layer: forward / backward + optimizer step; ps: pull / push
 #   client_ms  ps: the push's work in the client (de-duplicating keys, summing gradients);
 #              input: opening the dataset on a worker (imports on its first call: a one-time cost);
@@ -394,6 +396,11 @@ def _runtime_terms(
     sel = measurements[measurements["kind"] == "ps"]
     if not sel.empty:  # a DataWorker waits for its pull, and its next pull queues behind its push
         terms["ps_wait_ms_per_row"] = _round(float(sel["ms"].sum() / (sel["rows"] * sel["calls"]).sum()))
+    for kind, term in (("gpu_table", "gpu_table_ms_per_row"), ("gpu_miss", "gpu_miss_ms_per_row")):
+        sel = measurements[(measurements["kind"] == kind) & (measurements["rows"] > 0)]
+        if not sel.empty:  # the GPU tier of each cuda type (rows in its memory), per row
+            per_type = sel.groupby("resource")[["ms", "rows"]].sum()
+            terms[term] = {name: _round(float(r["ms"] / r["rows"])) for name, r in per_type.iterrows()}
     probes = measurements[measurements["kind"] == "probe"]
     if probes.empty:
         return terms
@@ -404,8 +411,9 @@ def _runtime_terms(
     # each probe's median over its runs (and over several profiles taken together)
     probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)["ms"].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
-    fitted = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),
-              "call_ms": {r["name"]: 0.0 for r in problem["resources"]}}  # fmt: skip
+    fitted: dict[str, Any] = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),
+              "call_ms": {r["name"]: 0.0 for r in problem["resources"]},
+              **{k: terms[k] for k in ("gpu_table", "gpu_table_ms_per_row", "gpu_miss_ms_per_row") if k in terms}}  # fmt: skip
 
     def explained_ms(row: Any) -> tuple[float, float]:
         """(the probe plan's loop ms, of it the layers' compute) under the terms fitted so far."""

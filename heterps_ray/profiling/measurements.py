@@ -280,6 +280,35 @@ def input_runs(
             scratch.cleanup()
 
 
+GPU_TABLE_BATCHES = 6  # key batches of the job's data the GPU tier's timing cycles through
+
+
+def device_table_runs(
+    job: JobConfig,
+    spec: ModelSpec,
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    settings: ProfileSettings,
+    wait: Waiter,
+) -> list[Row]:
+    """The GPU tier on each cuda type (rows in its GPU's memory): a row of kind ``gpu_table`` (ms over
+    the key rows of batches whose rows it holds), one of kind ``gpu_miss`` (ms over the rows it took
+    from the shards and gave back) and one of kind ``gpu_rows`` (the rows its free memory holds)."""
+    cuda = [t for t in present if t.device == "cuda"]
+    if not cuda:
+        return []
+    batches = _key_batches(job, job.batch_size, spec.num_slots, GPU_TABLE_BATCHES, settings.seed)
+    out = []
+    for rtype in cuda:
+        hit_ms, rows, miss_ms, moved, capacity = wait(
+            actors[rtype.name][0].time_device_table.remote(batches, spec.embedding_dim), f"{rtype.name} GPU table"
+        )
+        out.append(Row("gpu_table", rtype.name, batch_size=job.batch_size, rows=rows, ms=hit_ms))
+        out.append(Row("gpu_miss", rtype.name, batch_size=job.batch_size, rows=moved, ms=miss_ms))
+        out.append(Row("gpu_rows", rtype.name, rows=capacity))
+    return out
+
+
 def _key_batches(job: JobConfig, batch_size: int, num_slots: int, count: int, seed: int) -> list[np.ndarray]:
     """`count` consecutive key batches of the job's training data (its real key reuse and row
     creation), or Criteo-like synthetic keys when the job has no dataset yet."""

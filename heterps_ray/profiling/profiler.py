@@ -31,13 +31,14 @@ import pandas as pd
 import ray
 
 from heterps_ray.config import JobConfig, ResourceType
-from heterps_ray.costmodel.table_memory import with_table
+from heterps_ray.costmodel.table_memory import gpu_table_setting, with_table
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
 from heterps_ray.profiling.measurements import (
     PSProbe,
     call_runs,
+    device_table_runs,
     host_runs,
     input_runs,
     layer_rounds,
@@ -205,7 +206,8 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         input_bytes_per_sample=spec.input_bytes_per_sample,
         execution=execution_of(job),
     )
-    with_table(result.problem, job, spec.embedding_dim)  # ps.table: the shards the table's memory needs
+    # ps.table: the shards the table's memory needs; the rows each cuda type's GPU memory holds
+    with_table(result.problem, job, spec.embedding_dim, _gpu_rows(pd.concat(frames, ignore_index=True)))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in runs[0].actors})
     notes = [
@@ -228,6 +230,13 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
     return result
 
 
+def _gpu_rows(measurements: pd.DataFrame) -> dict[str, int]:
+    """The rows each cuda type's GPU memory holds for the table, as its actor measured them (its free
+    memory less a reserve; kind "gpu_rows")."""
+    sel = measurements[measurements["kind"] == "gpu_rows"]
+    return {str(name): int(rows) for name, rows in sel.groupby("resource")["rows"].min().items()}
+
+
 def execution_of(job: JobConfig) -> dict[str, Any]:
     """How the runtime will execute `job` (the problem's `runtime` section, DESIGN.md §3b)."""
     rt = job.runtime
@@ -237,6 +246,7 @@ def execution_of(job: JobConfig) -> dict[str, Any]:
         "max_in_flight": rt.max_in_flight,
         "batches_ahead": rt.batches_ahead if job.mode == "async" else 0,
         "ps_hosting": rt.ps_hosting,
+        "gpu_table": gpu_table_setting(job),
     }
 
 
@@ -322,6 +332,8 @@ def measure(
         bar.update()
         bar.set_postfix_str("input read rate")
         rows += input_runs(job, present, actors, settings, wait)
+        if gpu_table_setting(job) == "auto":
+            rows += device_table_runs(job, spec, present, actors, settings, wait)
         bar.update()
         bar.set_postfix_str("machines and their background load")
         rows += host_runs(present, actors, settings, wait)

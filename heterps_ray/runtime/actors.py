@@ -64,10 +64,17 @@ def hosts_shards(job: JobConfig, stages: Sequence[Any], num_shards: int, dim: in
 class ActorSet:
     """The live actors of a plan: ``shard_actors`` (PS shard actors; none when the shards are hosted in
     DataWorker 0), ``stage_workers`` (stages 1..S-1, replicas each) and ``data_workers`` (stage 0);
-    ``shards`` reaches every PS shard, wherever it lives (shards.py)."""
+    ``shards`` reaches every PS shard, wherever it lives (shards.py); ``place``, where the rows live
+    (the shards, or stage 0's GPU memory in front of them)."""
 
     def __init__(
-        self, job: JobConfig, model: ModelSpec, stages: list[StageSpec], num_shards: int, files: list[Path]
+        self,
+        job: JobConfig,
+        model: ModelSpec,
+        stages: list[StageSpec],
+        num_shards: int,
+        files: list[Path],
+        table: str | None = None,
     ):
         self.job, self.model, self.stages, self.num_shards = job, model, stages, num_shards
         self.num_workers = stages[0].replicas
@@ -79,9 +86,12 @@ class ActorSet:
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, stages, num_shards, model.embedding_dim)
-        # where the rows live: stage 0's GPU memory (in front of the shards) or the shards alone
-        self.place: TablePlace = table_place(
-            job, stages[0].type, stages[0].replicas, estimate_table(job, model.embedding_dim), model.embedding_dim
+        # where the rows live: stage 0's GPU memory (in front of the shards) or the shards alone, as the
+        # plan's price has them (`table`; None: the runtime's rule, which is the price's)
+        self.place: TablePlace = (
+            TablePlace("ps", job.cluster.ps_resource, why="the plan keeps them there")
+            if table == "ps"
+            else table_place(job, stages[0].type, self.hosted, estimate_table(job, model.embedding_dim), model.embedding_dim)
         )
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[ShardHandle] = []
@@ -274,9 +284,11 @@ class ActorSet:
         ]
         return [ray.get(r) for r in refs]
 
-    def data_wait(self) -> list[float]:
-        """Seconds each DataWorker spent blocked on gradients coming back (pipeline bubbles)."""
-        return [s["wait_s"] for s in ray.get([w.stats.remote() for w in self.data_workers])]
+    def data_wait(self) -> dict[str, list[float]]:
+        """Seconds each DataWorker spent blocked: on gradients coming back (pipeline bubbles, "gradients")
+        and on its reader thread (the input, "reader")."""
+        stats = ray.get([w.stats.remote() for w in self.data_workers])
+        return {"gradients": [s["wait_s"] for s in stats], "reader": [s["read_wait_s"] for s in stats]}
 
     def flush_tables(self) -> None:
         """Rows changed in the DataWorkers' GPU memory back on the PS shards (before a snapshot of the

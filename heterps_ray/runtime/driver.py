@@ -150,7 +150,7 @@ def train(
         _check_plan_types(stages, job, plan_file)
     else:
         owns_ray = connect(job.cluster, address)
-    actors = ActorSet(job, model, stages, num_shards, train_files)
+    actors = ActorSet(job, model, stages, num_shards, train_files, plan.table_place)
     store = StateStore(actors)
     recovery = Recovery(actors, store)
     tracker: RunTracker | None = None  # TensorBoard events in output_dir/tensorboard (and MLflow)

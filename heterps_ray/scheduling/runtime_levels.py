@@ -64,7 +64,7 @@ from heterps_ray.costmodel.formulas import (
     fewest_replicas,
     stage_throughput,
 )
-from heterps_ray.costmodel.runtime_terms import call_ms
+from heterps_ray.costmodel.runtime_terms import call_ms, table_rate
 from heterps_ray.scheduling.levels import Level, LevelPricing
 from heterps_ray.scheduling.path_bounds import best_mixes, mixed_weights, relax_limits, with_limits
 from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, provision_counts
@@ -123,9 +123,9 @@ class RuntimeLevels(LevelPricing):
         self.valid = ~bad
         _, self.alpha = model.segment_tables()
         self.busy = {}  # hosted (bool) -> busy ms per micro-batch [L, L, T]
-        for hosted in (False, True):
-            rate = terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row
-            ps_wait = np.where(i == 0, rows * rate, 0.0)
+        for hosted in (False, True):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
+            rate = np.array([table_rate(problem, terms, r.name, hosted).ms_per_row for r in types])
+            ps_wait = np.where(i == 0, rows * rate[None, None, :], 0.0)
             self.busy[hosted] = np.where(bad, np.inf, compute + other + first + ps_wait)
         self.cap = model.max_instances.astype(np.int64)
         self.price = model.price
