@@ -36,7 +36,14 @@ class WarmHosts:
     def start(self, rtype: ResourceType, count: int) -> list[Any]:
         if count > len(self.ROLES):
             raise ValueError(f"{count} profiling actors of {rtype.name!r}: at most {len(self.ROLES)} roles")
-        return [warm.spawn(cls, rtype.actor_options()) for cls in self.ROLES[:count]]
+        started: list[Any] = []
+        try:
+            for cls in self.ROLES[:count]:
+                started.append(warm.spawn(cls, rtype.actor_options()))
+        except BaseException:  # the ones started before go (the profile never saw them)
+            self.release(rtype, started, reuse=False)
+            raise
+        return started
 
     def release(self, rtype: ResourceType, actors: list[Any], reuse: bool) -> None:
         for cls, handle in zip(self.ROLES, actors, strict=False):

@@ -74,6 +74,9 @@ class _Pool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 _kill(entry.handle)
                 continue
+            except BaseException:  # its constructor raised (bad input): the error is the caller's, the
+                _kill(entry.handle)  # actor, emptied by reconfigure, goes
+                raise
             self.reused += 1
             return entry.handle
         self._make_room(_bundle(options))
