@@ -214,3 +214,91 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
         time.sleep(1.0)
     assert other.cores > 0.6, other.cores
     assert other.cpu_ms == pytest.approx(other.cores * 1000.0 * 1.0, rel=0.2)
+
+
+# -- a cluster whose types hold one actor each (issue 41) ----------------------------------------
+
+
+def _one_instance_job(folder: Path, data: Path) -> Path:
+    """The tiny model on the local types with max_instances 1 each (PS shards on cpu_small)."""
+    cluster = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    for rtype in cluster["resource_types"]:
+        rtype["max_instances"] = 1
+    job = {
+        "name": "one-instance",
+        "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [16, 8]},
+        "cluster": cluster,
+        "data": {"path": str(data)},
+        "batch_size": 64,
+        "samples": 1_000_000,
+        "throughput_min": 0,
+        "output_dir": str(folder / "out"),
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_the_ps_shard_has_no_room_beside_the_profiling_actors_of_a_one_instance_type():
+    """Decided before anything starts: a type's one instance (or one Ray unit) taken by its profiling
+    actor leaves none for the PS shard, whose calls would wait for placement forever."""
+    from heterps_ray.config import ResourceType
+    from heterps_ray.profiling.placement import actor_counts, shard_room
+
+    small = ResourceType(name="cpu_small", price_per_hour=0.1, max_instances=1, ray_resources={"CPU": 0.25})
+    node = {"Alive": True, "Resources": {"CPU": 2.0, "cpu_small": 1.0}}
+    counts = actor_counts([small], [node], "cpu_small")
+    assert counts == {"cpu_small": 1}
+    assert shard_room(small, [node], counts) == (
+        "its max_instances (1) are all taken by the profiling actors: a PS shard needs one more 'cpu_small' actor"
+    )
+    # four instances declared, one unit in the cluster: the unit is the limit
+    four = small.model_copy(update={"max_instances": 4})
+    assert shard_room(four, [node], actor_counts([four], [node], "cpu_small")) == (
+        "the Ray cluster declares 1 unit(s) of 'cpu_small', all taken by the profiling actors: a PS shard "
+        "needs one more"
+    )
+    # two instances and two units: one profiling actor, the other instance kept for the shard
+    two = small.model_copy(update={"max_instances": 2})
+    roomy = {"Alive": True, "Resources": {"CPU": 2.0, "cpu_small": 4.0}}
+    assert actor_counts([two], [roomy], "cpu_small") == {"cpu_small": 1}
+    assert shard_room(two, [roomy], {"cpu_small": 1}) is None
+    assert actor_counts([four], [roomy], "cpu_small") == {"cpu_small": 2}  # 3 of 4: both actors and the shard
+
+
+def test_profile_of_one_instance_types_measures_what_it_can_and_names_what_it_could_not(
+    ray_local, tmp_path, capsys
+):
+    """The reported hang: the PS probe's shard could not be placed beside the profiling actor of its
+    type, and the profile waited for it for minutes. Now the shard is not started, the runtime probes
+    that need a second actor of cpu_small are left out, and both are named (printed and in the
+    problem's notes); the one-stage probes on cpu_big run."""
+    from heterps_ray.data.synth import synthesize
+
+    data = tmp_path / "data"
+    synthesize(data, 3_000, seed=2)
+    job_file = _one_instance_job(tmp_path, data)
+    output = tmp_path / "problem.yaml"
+    argv = ["profile", str(job_file), "-o", str(output), "--quick", "--probe-steps", "12", "--no-progress"]
+    started = time.monotonic()
+    assert main(argv) == 0, capsys.readouterr().err
+    took = time.monotonic() - started
+    printed = capsys.readouterr().out
+    ps_line = (
+        "not measured: the PS shard's rates ('cpu_small': its max_instances (1) are all taken by the "
+        "profiling actors: a PS shard needs one more 'cpu_small' actor)"
+    )
+    probe_line = (
+        "not measured: runtime probe embedding..embedding@cpu_small -> fc1..logit@cpu_big, 12 batches: at "
+        "most max_instances=1 actors of type 'cpu_small' (stage replicas + PS shards): it needs 2"
+    )
+    assert ps_line in printed and probe_line in printed, printed
+    assert "embedding..logit@cpu_small, 12 batches: at most max_instances=1" in printed, printed
+    notes = load_problem(output).notes or ""
+    assert ps_line.removeprefix("not measured: ") in notes and "runtime probe" in notes, notes
+    raw = pd.read_parquet(output.with_suffix(".measurements.parquet"))
+    assert raw[raw["kind"].isin(["ps", "ps_dense"])].empty  # no PS shard was started
+    probes = raw[raw["kind"] == "probe"]
+    assert set(probes["resource"]) == {"cpu_big"} and set(probes["peer"]) == {""}  # cpu_big alone, twice
+    assert len(probes) >= 2
+    assert took < 120, took
