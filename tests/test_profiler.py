@@ -302,3 +302,54 @@ def test_profile_of_one_instance_types_measures_what_it_can_and_names_what_it_co
     assert set(probes["resource"]) == {"cpu_big"} and set(probes["peer"]) == {""}  # cpu_big alone, twice
     assert len(probes) >= 2
     assert took < 120, took
+
+
+def test_a_ps_shard_that_other_work_keeps_from_its_units_is_noted_not_waited_for(ray_local, tmp_path):
+    """Room on paper (4 units of cpu_small, 2 profiling actors), none in fact: other work holds the two
+    units left. The profile's shard waits for placement until the start deadline, then the profile goes
+    on without it (the PS round trips would have waited for it until the 900 s call timeout)."""
+    from heterps_ray.profiling.profiler import ProfileSettings, profile
+
+    small = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())["resource_types"][0]
+    assert small["name"] == "cpu_small" and small["max_instances"] == 4
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "busy-ps-type",
+                "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [16, 8]},
+                "cluster": {"name": "one-type", "resource_types": [small]},
+                "data": {"path": str(tmp_path / "no-data-yet")},
+                "batch_size": 64,
+                "samples": 1_000_000,
+                "throughput_min": 0,
+                "output_dir": str(tmp_path / "out"),
+            }
+        )
+    )
+    warm.release_idle()  # the units free now are the ones the blockers and the profile get
+
+    @ray_local.remote(num_cpus=0, resources={"cpu_small": 1})
+    class Blocker:
+        def ready(self) -> bool:
+            return True
+
+    free = int(ray_local.available_resources().get("cpu_small", 0))
+    assert free >= 2, ray_local.available_resources()
+    blockers = [Blocker.remote() for _ in range(free - 2)]  # the profile's two actors get the last two
+    try:
+        ray_local.get([b.ready.remote() for b in blockers], timeout=60)
+        started = time.monotonic()
+        result = profile(load_job(job_file), ProfileSettings.quick(progress=False, start_timeout_s=30.0))
+        took = time.monotonic() - started
+    finally:
+        for b in blockers:
+            ray_local.kill(b)
+    assert len(result.unmeasured) == 1, result.unmeasured
+    assert result.unmeasured[0].startswith(
+        "the PS shard's rates: its actor on 'cpu_small' was not placed within 30 s"
+    ), result.unmeasured
+    assert "not measured: the PS shard's rates" in result.problem["notes"]
+    assert result.measurements[result.measurements["kind"] == "ps"].empty
+    assert "rows_per_second_per_shard" not in result.problem["ps"]  # unmeasured, not made up
+    assert took < 120, took

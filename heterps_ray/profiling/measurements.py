@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,7 +196,7 @@ class PSProbe:
     micro_batch: int
     shards: list[Any]
     batches: list[np.ndarray]
-    started: float = field(default_factory=time.monotonic)  # when its shard was started
+    started: float  # time.monotonic() when its shard was started
 
     @classmethod
     def start(
@@ -208,6 +208,7 @@ class PSProbe:
         ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
         # a shard computes nothing on a GPU: asking for none, it cannot wait for the profiling actors' GPUs
         options = {**job.cluster.type(ps_name).actor_options(), "num_gpus": 0}
+        started = time.monotonic()
         shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, options)
         try:
             micro_batch = job.batch_size // job.runtime.micro_batches
@@ -218,7 +219,7 @@ class PSProbe:
             for shard in shards:
                 ray.kill(shard)
             raise
-        return cls(ps_name, micro_batch, shards, batches)
+        return cls(ps_name, micro_batch, shards, batches, started)
 
     def runs(
         self,
