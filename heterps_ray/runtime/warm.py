@@ -74,8 +74,10 @@ class _Pool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 _kill(entry.handle)
                 continue
-            except BaseException:  # its constructor raised (bad input): the error is the caller's, the
-                _kill(entry.handle)  # actor, emptied by reconfigure, goes
+            except BaseException:
+                # its constructor raised (bad input): the error is the caller's, and the actor, emptied
+                # by reconfigure, goes
+                _kill(entry.handle)
                 raise
             self.reused += 1
             return entry.handle
