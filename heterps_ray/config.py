@@ -127,19 +127,43 @@ class ResourceType(BaseModel):
         return "active" if self.omp_wait_policy == "active" else "passive"
 
     def actor_options(self) -> dict[str, Any]:
-        """The `ray.remote(...).options(**opts)` that pin an actor to this type."""
+        """The `ray.remote(...).options(**opts)` that pin an actor to this type; a ConfigError naming the
+        type's field where Ray refuses them (3 TPUs, say: Ray takes 1, 2, 4 or 8 a task), so that an
+        actor of the type fails to start with the user's error, not Ray's traceback."""
         from heterps_ray.devices import actor_env
 
         resources = {k: v for k, v in self.ray_resources.items() if k not in ("CPU", "GPU")}
         resources[self.name] = 1.0
         spin = {"GOMP_SPINCOUNT": str(ACTIVE_SPIN_COUNT)} if self.wait_policy == "active" else {}
-        return {
+        options = {
             "num_cpus": self.ray_resources.get("CPU", 0.0),
             "num_gpus": self.num_gpus,
             "resources": resources,
             # merged with the job's runtime_env by Ray (env_vars add up)
             "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": self.wait_policy.upper(), **spin, **actor_env()}},
         }
+        self._check_ray_accepts(options)
+        return options
+
+    def _check_ray_accepts(self, options: dict[str, Any]) -> None:
+        """Ray's own check of actor options (``.options()`` validates them, without a running Ray), as a
+        ConfigError: the rules are Ray's (resource precision, accelerator counts), so Ray applies them."""
+        import ray
+
+        try:
+            ray.remote(_OptionsCheck).options(**options)
+        except (TypeError, ValueError) as exc:
+            field = "num_gpus" if "num_gpus" in str(exc) else "ray_resources"
+            raise ConfigError(
+                None,
+                f"cluster.resource_types.{self.name}.{field}",
+                f"amounts Ray accepts for one actor (Ray: {exc})",
+                self.num_gpus if field == "num_gpus" else self.ray_resources,
+            ) from None
+
+
+class _OptionsCheck:
+    """An actor class that is never started: Ray checks a type's actor options against it."""
 
 
 class PSConfig(BaseModel):

@@ -46,6 +46,14 @@ class StorageError(HeterPSError):
     exit_code = 1
 
 
+class WaitTimeout(HeterPSError):
+    """Something the run waited for did not come by its deadline (an actor stuck or never placed, a node
+    gone): the message names what, how long, and where the limit is set."""
+
+    category = "timeout"
+    exit_code = 1
+
+
 class InfeasibleError(HeterPSError):
     """No plan reaches the throughput floor; the message gives the highest reachable throughput."""
 

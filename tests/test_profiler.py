@@ -234,3 +234,141 @@ def test_a_slow_types_probes_train_about_probe_seconds_and_at_least_one_read_chu
     rows = [Row("stage", "cpu", batch_size=b, ms=0.5 + 0.01 * b) for b in (64, 256, 1024)]
     rows += [Row("layer", "cpu", layer="fc1", batch_size=64, ms=99.0)]
     assert batch_ms_of(rows, 2048) == pytest.approx({"cpu": 0.5 + 0.01 * 2048})
+
+
+# -- a cluster whose types hold one actor each (issue 41) ----------------------------------------
+
+
+def _one_instance_job(folder: Path, data: Path) -> Path:
+    """The tiny model on the local types with max_instances 1 each (PS shards on cpu_small)."""
+    cluster = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    for rtype in cluster["resource_types"]:
+        rtype["max_instances"] = 1
+    job = {
+        "name": "one-instance",
+        "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [16, 8]},
+        "cluster": cluster,
+        "data": {"path": str(data)},
+        "batch_size": 64,
+        "samples": 1_000_000,
+        "throughput_min": 0,
+        "output_dir": str(folder / "out"),
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_the_ps_shard_has_no_room_beside_the_profiling_actors_of_a_one_instance_type():
+    """Decided before anything starts: a type's one instance (or one Ray unit) taken by its profiling
+    actor leaves none for the PS shard, whose calls would wait for placement forever."""
+    from heterps_ray.config import ResourceType
+    from heterps_ray.profiling.placement import actor_counts, shard_room
+
+    small = ResourceType(name="cpu_small", price_per_hour=0.1, max_instances=1, ray_resources={"CPU": 0.25})
+    node = {"Alive": True, "Resources": {"CPU": 2.0, "cpu_small": 1.0}}
+    counts = actor_counts([small], [node], "cpu_small")
+    assert counts == {"cpu_small": 1}
+    assert shard_room(small, [node], counts) == (
+        "its max_instances (1) are all taken by the profiling actors: a PS shard needs one more 'cpu_small' actor"
+    )
+    # four instances declared, one unit in the cluster: the unit is the limit
+    four = small.model_copy(update={"max_instances": 4})
+    assert shard_room(four, [node], actor_counts([four], [node], "cpu_small")) == (
+        "the Ray cluster declares 1 unit(s) of 'cpu_small', all taken by the profiling actors: a PS shard "
+        "needs one more"
+    )
+    # two instances and two units: one profiling actor, the other instance kept for the shard
+    two = small.model_copy(update={"max_instances": 2})
+    roomy = {"Alive": True, "Resources": {"CPU": 2.0, "cpu_small": 4.0}}
+    assert actor_counts([two], [roomy], "cpu_small") == {"cpu_small": 1}
+    assert shard_room(two, [roomy], {"cpu_small": 1}) is None
+    assert actor_counts([four], [roomy], "cpu_small") == {"cpu_small": 2}  # 3 of 4: both actors and the shard
+
+
+def test_profile_of_one_instance_types_measures_what_it_can_and_names_what_it_could_not(
+    ray_local, tmp_path, capsys
+):
+    """The reported hang: the PS probe's shard could not be placed beside the profiling actor of its
+    type, and the profile waited for it for minutes. Now the shard is not started, the runtime probes
+    that need a second actor of cpu_small are left out, and both are named (printed and in the
+    problem's notes); the one-stage probes on cpu_big run."""
+    from heterps_ray.data.synth import synthesize
+
+    data = tmp_path / "data"
+    synthesize(data, 3_000, seed=2)
+    job_file = _one_instance_job(tmp_path, data)
+    output = tmp_path / "problem.yaml"
+    argv = ["profile", str(job_file), "-o", str(output), "--quick", "--probe-steps", "12", "--no-progress"]
+    started = time.monotonic()
+    assert main(argv) == 0, capsys.readouterr().err
+    took = time.monotonic() - started
+    printed = capsys.readouterr().out
+    ps_line = (
+        "not measured: the PS shard's rates ('cpu_small': its max_instances (1) are all taken by the "
+        "profiling actors: a PS shard needs one more 'cpu_small' actor)"
+    )
+    probe_line = (
+        "not measured: runtime probe embedding..embedding@cpu_small -> fc1..logit@cpu_big, 12 batches: at "
+        "most max_instances=1 actors of type 'cpu_small' (stage replicas + PS shards): it needs 2"
+    )
+    assert ps_line in printed and probe_line in printed, printed
+    assert "embedding..logit@cpu_small, 12 batches: at most max_instances=1" in printed, printed
+    notes = load_problem(output).notes or ""
+    assert ps_line.removeprefix("not measured: ") in notes and "runtime probe" in notes, notes
+    raw = pd.read_parquet(output.with_suffix(".measurements.parquet"))
+    assert raw[raw["kind"].isin(["ps", "ps_dense"])].empty  # no PS shard was started
+    probes = raw[raw["kind"] == "probe"]
+    assert set(probes["resource"]) == {"cpu_big"} and set(probes["peer"]) == {""}  # cpu_big alone, twice
+    assert len(probes) >= 2
+    assert took < 120, took
+
+
+def test_a_ps_shard_that_other_work_keeps_from_its_units_is_noted_not_waited_for(ray_local, tmp_path):
+    """Room on paper (4 units of cpu_small, 2 profiling actors), none in fact: other work holds the two
+    units left. The profile's shard waits for placement until the start deadline, then the profile goes
+    on without it (the PS round trips would have waited for it until the 900 s call timeout)."""
+    from heterps_ray.profiling.profiler import ProfileSettings, profile
+
+    small = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())["resource_types"][0]
+    assert small["name"] == "cpu_small" and small["max_instances"] == 4
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "busy-ps-type",
+                "model": {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [16, 8]},
+                "cluster": {"name": "one-type", "resource_types": [small]},
+                "data": {"path": str(tmp_path / "no-data-yet")},
+                "batch_size": 64,
+                "samples": 1_000_000,
+                "throughput_min": 0,
+                "output_dir": str(tmp_path / "out"),
+            }
+        )
+    )
+    warm.release_idle()  # the units free now are the ones the blockers and the profile get
+
+    @ray_local.remote(num_cpus=0, resources={"cpu_small": 1})
+    class Blocker:
+        def ready(self) -> bool:
+            return True
+
+    units = int(ray_local.cluster_resources()["cpu_small"])  # 4: the profile's two actors get the last two
+    blockers = [Blocker.remote() for _ in range(units - 2)]
+    try:
+        ray_local.get([b.ready.remote() for b in blockers], timeout=60)
+        started = time.monotonic()
+        result = profile(load_job(job_file), ProfileSettings.quick(progress=False, start_timeout_s=30.0))
+        took = time.monotonic() - started
+    finally:
+        for b in blockers:
+            ray_local.kill(b)
+    assert len(result.unmeasured) == 1, result.unmeasured
+    assert result.unmeasured[0].startswith(
+        "the PS shard's rates: its actor on 'cpu_small' was not placed within 30 s"
+    ), result.unmeasured
+    assert "not measured: the PS shard's rates" in result.problem["notes"]
+    assert result.measurements[result.measurements["kind"] == "ps"].empty
+    assert "rows_per_second_per_shard" not in result.problem["ps"]  # unmeasured, not made up
+    assert took < 120, took

@@ -321,3 +321,45 @@ def test_the_report_says_how_soon_each_re_plan_trained_again():
     )  # fmt: skip
     assert "  re-plans    first batch 1.3 s, 2.5 s after the decision" in report.table()
     assert "re-plans    first batch" not in dataclasses.replace(report, floor_attempts=[], replans=[]).table()
+
+
+def test_run_on_types_of_one_instance_each_finishes_within_two_minutes(tmp_path):
+    """The reported hang: the quickstart job on the local cluster with max_instances 1 on both types,
+    `heterps run --quick-profile` in a process of its own, whose embedded Ray declares one unit of each
+    type (as a user's does). Its profile waited 8.5 minutes for a PS shard that could not be placed;
+    now it notes the shard as not measured, plans, trains and reports, well within two minutes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cluster = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    for rtype in cluster["resource_types"]:
+        rtype["max_instances"] = 1
+    cluster_file = tmp_path / "local-one.yaml"
+    cluster_file.write_text(yaml.safe_dump(cluster))
+    job = yaml.safe_load((REPO / "configs" / "jobs" / "quickstart.yaml").read_text())
+    job.update(
+        model=str(REPO / "configs" / "models" / "ctr_dnn.yaml"),
+        cluster=str(cluster_file),
+        data={"path": str(tmp_path / "data"), "synth_rows": 20_000},
+        output_dir=str(tmp_path / "out"),
+    )
+    job_file = tmp_path / "quickstart.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
+    argv = [sys.executable, "-m", "heterps_ray", "run", str(job_file), "--quick-profile", "--steps", "20",
+            "--no-progress"]  # fmt: skip
+    started = time.monotonic()
+    ran = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    took = time.monotonic() - started
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-4000:]
+    assert (
+        "profile: not measured: the PS shard's rates ('cpu_small': its max_instances (1) are all taken by "
+        "the profiling actors: a PS shard needs one more 'cpu_small' actor)"
+    ) in ran.stdout, ran.stdout[-4000:]
+    assert f"wrote {tmp_path / 'out'}/{REPORT_FILE}" in ran.stdout
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert plan["feasible"] and summary["steps"] == 20
+    assert took < 120, took

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from heterps_ray.cli import main
+from heterps_ray.data.criteo import SPARSE_COLUMNS
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.data.synth import HiddenModel, SynthSpec, synthesize
 from heterps_ray.errors import ConfigError
@@ -138,6 +139,42 @@ def test_distinct_counter_is_exact_when_small_and_within_2_percent_when_large():
             assert counter.count() == n + 1  # the values and the missing one ("")
         else:
             assert abs(counter.count() / n - 1) < 0.02, (n, counter.count())
+
+
+def test_key_frequencies_are_exact_when_small_and_within_3_percent_when_sampled():
+    """How many keys a slot shows at least n times: exact while a slot has few keys; beyond, a hash
+    sample of them (here at most 2,000 kept, for 120,000 keys) scaled up, against the exact figures."""
+    import pyarrow as pa
+
+    from heterps_ray.data.criteo import hash_slot
+    from heterps_ray.data.writer import KeyFrequencies
+
+    rng = np.random.default_rng(4)
+    for distinct, exact_max in ((500, KeyFrequencies.EXACT_MAX), (120_000, 2_000)):
+        ranks = (rng.pareto(0.8, size=6 * distinct) * distinct / 50).astype(np.int64) % distinct
+        values = pa.array(np.char.mod("%08x", ranks).astype(object))
+        values = pa.concat_arrays([values, pa.array([None, "", None])])  # missing: the key of ""
+        counter = KeyFrequencies(slot=3, exact_max=exact_max)
+        for start in range(0, len(values), 7_000):  # in chunks, as the writer adds them
+            counter.add(values.slice(start, 7_000))
+        _, counts = np.unique(hash_slot(values, 3), return_counts=True)
+        exact = [int((counts >= n).sum()) for n in range(1, KeyFrequencies.MAX_N + 1)]
+        got = counter.at_least()
+        if exact_max == KeyFrequencies.EXACT_MAX:
+            assert got == exact and counter.level == 0
+        else:
+            assert counter.level >= 5  # 120,000 keys sampled down under 2,000
+            for n, (g, e) in enumerate(zip(got, exact, strict=True), start=1):
+                assert abs(g / e - 1) < 0.03 + 3 / np.sqrt(e / 2**counter.level), (n, g, e)
+
+
+def test_meta_counts_the_train_keys_seen_at_least_n_times(small):
+    train = small.load("train")["keys"]
+    meta = small.meta["train_keys_at_least"]
+    for s, name in enumerate(SPARSE_COLUMNS):
+        _, counts = np.unique(train[:, s], return_counts=True)
+        assert meta[name] == [int((counts >= n).sum()) for n in range(1, 9)], name
+    assert "keys of the train split in at least n rows" in small.meta["train_keys_at_least_method"]
 
 
 def test_criteo_kaggle_shape_has_criteos_distinct_values_at_full_size_and_heavy_tails(tmp_path):

@@ -21,7 +21,7 @@ from heterps_ray.config import (
     machine_memory_gb,
 )
 from heterps_ray.costmodel import load_problem, problem_from_dict
-from heterps_ray.costmodel.table_memory import GIB, estimate_table, shards_needed, with_table
+from heterps_ray.costmodel.table_memory import GIB, estimate_table, shards_needed, table_section, with_table
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import ConfigError
 from heterps_ray.ps.table import row_bytes, stored_bytes_per_row
@@ -42,13 +42,15 @@ def small_data(tmp_path_factory) -> Path:
 
 
 def _with_distinct(src: Path, dst: Path, per_slot: int) -> Path:
-    """A copy of dataset `src` at `dst` whose _meta.json counts `per_slot` distinct values in every slot."""
+    """A copy of dataset `src` at `dst` whose _meta.json counts `per_slot` distinct values in every slot,
+    as a dataset written before the per-key counts (train_keys_at_least) does."""
     import shutil
 
     shutil.copytree(src, dst)
     meta = json.loads((dst / "_meta.json").read_text())
     meta["distinct_values"] = {slot: per_slot for slot in meta["distinct_values"]}
     meta["distinct_values_total"] = per_slot * len(meta["distinct_values"])
+    meta.pop("train_keys_at_least", None)
     (dst / "_meta.json").write_text(json.dumps(meta))
     return dst
 
@@ -116,10 +118,73 @@ def test_ttl_and_train_steps_cap_each_slot_and_admission_is_said_to_be_uncounted
 
 
 def test_shards_needed_is_the_fewest_shards_within_the_budget():
-    assert shards_needed(1_000, 150.0, 1e6) == 1
-    assert shards_needed(10_000, 150.0, 1e6) == 2  # 1.5 MB over 1 MB actors
-    assert shards_needed(10_000_000, 150.0, 1e6) == 1_500
-    assert shards_needed(10_000_000, 150.0, 1e6, shard_cap_bytes=5e5) == 1  # a capped shard evicts instead
+    assert shards_needed(1_000 * 150.0, 1e6) == 1
+    assert shards_needed(10_000 * 150.0, 1e6) == 2  # 1.5 MB over 1 MB actors
+    assert shards_needed(10_000_000 * 150.0, 1e6) == 1_500
+    assert shards_needed(10_000_000 * 150.0, 1e6, shard_cap_bytes=5e5) == 1  # a capped shard evicts instead
+
+
+def _admitting_table(data: Path, dim: int, batch_size: int, epochs: int = 1) -> Any:
+    """A real SparseTable with admission 2, fed every train batch's keys as the runtime pulls them
+    (one pull call per batch, the global batch index as its step): the rows it holds after training."""
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.ps.table import SparseTable
+
+    table = SparseTable(dim=dim, admit_after=2)
+    step = 0
+    for _ in range(epochs):
+        for batch in Dataset(data).iter_batches("train", batch_size):
+            table.pull(batch["keys"].ravel(), step=step)
+            step += 1
+    return table
+
+
+@pytest.mark.parametrize(
+    ("rows", "shape", "epochs"),
+    [
+        (200_000, "default", 1),  # the quickstart job's data and batch size (every slot counted exactly)
+        (400_000, "criteo-kaggle", 1),  # Criteo's heavy tails: 5.7x fewer rows than distinct values
+        (60_000, "criteo-kaggle", 2),  # two epochs: a key seen once an epoch is pulled twice
+    ],
+)
+def test_admission_estimate_is_within_15_percent_of_a_real_admitting_table(tmp_path, rows, shape, epochs):
+    """The estimate counts what admission (admit_after 2, the default) keeps: the keys the writer saw
+    in at least 2 train rows (at least 1 over 2 epochs) as rows, the other keys seen as waiting
+    candidates; a real table fed the same batches holds as many rows, keys waiting and bytes, within
+    15%. Before, every distinct value was counted as a row: +25% on the quickstart data, 5.7x on
+    Criteo-shaped rows."""
+    from heterps_ray.data.synth import SHAPES, SynthSpec
+
+    data = tmp_path / "data"
+    synthesize(data, rows, seed=0, spec=SynthSpec(**SHAPES.get(shape, {})))
+    job = load_job(
+        REPO / "configs" / "jobs" / "quickstart.yaml",
+        {"data.path": str(data), "output_dir": str(tmp_path / "out"), "runtime.epochs": epochs},
+    )
+    assert job.table.admit_after == 2 and job.batch_size == 512  # the defaults the issue reports on
+    estimate = estimate_table(job)
+    assert estimate is not None
+    table = _admitting_table(data, 9, job.batch_size, epochs)  # ctr_dnn's embedding_dim
+    held = table.stats()  # its bytes: rows, index and the candidates' store at its largest
+    assert estimate.rows == pytest.approx(len(table), rel=0.15), (estimate.rows, held)
+    assert estimate.total_bytes == pytest.approx(held["bytes"], rel=0.15), (estimate.total_bytes, held)
+    if epochs == 1:  # the keys still waiting at the end (over 2 epochs, all of these were admitted)
+        assert estimate.waiting == pytest.approx(held["candidates"], rel=0.15), (estimate.waiting, held)
+    distinct = json.loads((data / "_meta.json").read_text())["distinct_values_total"]
+    if epochs == 1:  # what the old estimate overstated (over 2 epochs every train key gets its row)
+        assert estimate.rows < 0.85 * distinct, (estimate.rows, distinct)
+    assert "admission after 2 pulls" in estimate.notes[0], estimate.notes
+    # the problem's ps.table carries both, and its shards are counted on both
+    section = table_section(job, estimate)
+    assert section["rows"] == estimate.rows and section["waiting"] == estimate.waiting
+    assert section["bytes_per_waiting"] == pytest.approx(16 + 5 / 0.375, abs=0.01)  # candidate + its index
+
+
+def test_a_dataset_without_per_key_counts_keeps_the_upper_bound_with_its_note(small_data, tmp_path):
+    old = _with_distinct(small_data, tmp_path / "old", 1_000)
+    admitting = estimate_table(load_job(_job_file(tmp_path, old, table={"admit_after": 2})))
+    assert admitting is not None and admitting.rows == 26_000 and admitting.waiting == 0
+    assert "admission's share not estimated" in " ".join(admitting.notes)
 
 
 # -- each type's budget -------------------------------------------------------------------------

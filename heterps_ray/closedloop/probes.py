@@ -9,11 +9,14 @@ import ray
 
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.plan import Plan, PlanStage
+from heterps_ray.errors import ConfigError
+from heterps_ray.models import build_model
 from heterps_ray.profiling.fit import FitResult
-from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, probe_steps
+from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, ProbeSkipped, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
 from heterps_ray.runtime import warm
 from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.pipeline import check_capacity, resolve_stages
 from heterps_ray.runtime.stage_worker import StageWorker
 from heterps_ray.runtime.workers import DataWorker
 
@@ -36,7 +39,14 @@ class WarmHosts:
     def start(self, rtype: ResourceType, count: int) -> list[Any]:
         if count > len(self.ROLES):
             raise ValueError(f"{count} profiling actors of {rtype.name!r}: at most {len(self.ROLES)} roles")
-        return [warm.spawn(cls, rtype.actor_options()) for cls in self.ROLES[:count]]
+        started: list[Any] = []
+        try:
+            for cls in self.ROLES[:count]:
+                started.append(warm.spawn(cls, rtype.actor_options()))
+        except BaseException:  # the ones started before go (the profile never saw them)
+            self.release(rtype, started, reuse=False)
+            raise
+        return started
 
     def release(self, rtype: ResourceType, actors: list[Any], reuse: bool) -> None:
         for cls, handle in zip(self.ROLES, actors, strict=False):
@@ -49,7 +59,8 @@ class WarmHosts:
 def run_probe(
     job: JobConfig, layers: list[str], caller: str, callee: str, split: int, steps: int = PROBE_STEPS
 ) -> float:
-    """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`."""
+    """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`;
+    ProbeSkipped where its actors and PS shard exceed a type's max_instances (train would refuse it)."""
     stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
     if split < len(layers):
         stages.append(PlanStage(tuple(layers[split:]), callee, 1, 0.0, 0.0))
@@ -78,6 +89,11 @@ def run_probe(
             ),
         }
     )  # fmt: skip
+    specs = resolve_stages(plan, build_model(job.model), probe_job)
+    try:
+        check_capacity(specs, int(plan.ps_shards), job.cluster)
+    except ConfigError as exc:
+        raise ProbeSkipped(f"{exc.expected}: it needs {exc.got}") from None
     summary = train(
         probe_job,
         plan,

@@ -194,6 +194,8 @@ def _problem(
         seconds.update({f"profile.{part}": took for part, took in fit.seconds.items()})
         path = write_problem(fit, out / "problem.yaml")["problem"]
         problem = load_problem(path)
+        for item in fit.unmeasured:  # what this cluster did not let the profile measure
+            print(f"profile: not measured: {item}")
         if fit.flags:
             print(f"profile: {len(fit.flags)} poor fits (see {path.with_suffix('.fit.csv').name})")
     return one_replica_per_stage(problem) if job.mode == "sync" else problem

@@ -68,11 +68,13 @@ class PSTable(BaseModel):
 
     model_config = _STRICT
 
-    rows: int = Field(ge=0, description="expected rows (from _meta.json's distinct values per slot)")
+    rows: int = Field(ge=0, description="expected rows (from _meta.json's key counts per slot)")
     bytes_per_row: float = Field(gt=0, description="memory of one row in the row store, index included")
     budget_gb: dict[str, float] = Field(description="per resource type: GiB of table rows one actor may hold")
     shards_needed: int = Field(ge=1, description="PS shards on the PS type that hold the table")
     shard_cap_gb: float | None = Field(None, gt=0, description="the job's table.max_shard_mb, GiB")
+    waiting: int = Field(0, ge=0, description="keys expected to wait for admission (seen, not admitted)")
+    bytes_per_waiting: float = Field(0.0, ge=0, description="memory of one waiting key, its index included")
     gpu_rows: dict[str, int] = Field(
         default_factory=dict,
         description="per cuda type: rows its GPU memory holds for the table (its gpu_memory_gb, or as "

@@ -1,15 +1,24 @@
 """The memory a job's sparse table needs and the PS shards that hold it (DESIGN.md §4, "Table memory").
 
-The table's expected rows are the distinct values of each sparse slot that ``_meta.json`` counts
-(``distinct_values``, train and eval), each slot capped by what the job can create: ``train_steps`` ×
-``batch_size`` values when the job stops early, ``ttl_batches`` × ``batch_size`` live rows when rows
-expire. A row costs :func:`~heterps_ray.ps.table.stored_bytes_per_row`: its payload (key, weights,
-Adagrad state, counters when admission, TTL or a cap is on) and the index at its sparsest (149.3 B/row
-at dim 16 untracked, measured: BENCHMARKS.md "Table memory"). Admission (``admit_after`` > 1, the default
-2) is not discounted: ``_meta.json`` counts distinct values but not how often each occurs, so the share
-admission keeps is unknown and every distinct value is counted as a row (an upper bound: a key waiting
-for admission holds 16 B and its index slot, less than a row; on Criteo-shaped data admission 2 held
-22-24% of the distinct values as rows and 47-49% of the bytes, BENCHMARKS.md "Admission").
+The table's expected rows come from the dataset's ``_meta.json`` (data/writer.py), each slot capped by
+what the job can create: ``train_steps`` × ``batch_size`` values when the job stops early, ``ttl_batches``
+× ``batch_size`` live rows when rows expire.
+
+* Without admission (``admit_after: 1``) every distinct value of a slot (``distinct_values``, train and
+  eval) is a row.
+* With admission (the default, ``admit_after: 2``) a key gets a row at the ``admit_after``-th pull call
+  that shows it, a pull call being a batch: a key in k train rows is pulled in about k × epochs calls
+  (fewer where two of its rows share a batch), so the rows are the keys seen in at least
+  ceil(admit_after / epochs) train rows (``train_keys_at_least``), and the other keys seen wait for
+  admission, each a candidate of 16 B and its index slot. On the quickstart data that is 37,877 rows
+  and 8,655 waiting keys against the 37,845 and 8,687 a real table held (the distinct values, 47,443,
+  overstated the rows by 25%); on 400k Criteo-shaped rows 279,849 rows against 279,661 (5.7x fewer
+  than the 1.58M distinct values). A dataset written before that field keeps the upper bound of every
+  distinct value as a row, with a note.
+
+A row costs :func:`~heterps_ray.ps.table.stored_bytes_per_row`: its payload (key, weights, Adagrad state,
+counters when admission, TTL or a cap is on) and the index at its sparsest (149.3 B/row at dim 16
+untracked, measured: BENCHMARKS.md "Table memory").
 
 Each resource type has a budget: the table memory one of its actors may hold
 (:meth:`~heterps_ray.config.ClusterConfig.table_memory_gb`). PS shard actors on the PS type split the
@@ -19,7 +28,7 @@ shards hosted in a DataWorker's process hold the whole table on one actor of sta
 Example::
 
     estimate = estimate_table(job)          # TableEstimate(rows=..., bytes_per_row=149.3, ...)
-    shards_needed(estimate.rows, estimate.bytes_per_row, 3.0 * 2**30)
+    shards_needed(estimate.total_bytes, 3.0 * 2**30)
 """
 
 from __future__ import annotations
@@ -34,10 +43,13 @@ from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
 from heterps_ray.ps.shard import sparse_spec
-from heterps_ray.ps.table import device_rows_within, stored_bytes_per_row
+from heterps_ray.ps.table import _CANDIDATE_BYTES, _INDEX_BYTES, device_rows_within, stored_bytes_per_row
 
 GIB = 2**30
 NO_SHARD_COUNT = 2**31 - 1  # shards_needed where an actor has no table memory: more than any type has
+# A key waiting for admission: its candidate entry (key, count, last seen) and its slot in the candidates'
+# index at its sparsest (heterps_ray.ps.table, as max_rows_for counts it).
+BYTES_PER_WAITING = _CANDIDATE_BYTES + _INDEX_BYTES
 
 
 @dataclass(frozen=True)
@@ -48,40 +60,96 @@ class TableEstimate:
     bytes_per_row: float
     shard_cap_bytes: float  # the job's table.max_shard_mb: what one shard holds at most (inf: no cap)
     notes: tuple[str, ...] = ()
+    waiting: int = 0  # keys seen but not admitted (admission): a candidate each, no row
+    bytes_per_waiting: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.rows * self.bytes_per_row
+        return self.rows * self.bytes_per_row + self.waiting * self.bytes_per_waiting
+
+    def figure(self) -> str:
+        """'R expected rows x B B/row (+ W keys waiting for admission x b B) = X GiB', for messages."""
+        return table_figure(self.rows, self.bytes_per_row, self.waiting, self.bytes_per_waiting)
 
 
-def expected_rows(meta: dict[str, Any], job: JobConfig, meta_file: str) -> tuple[int, list[str]]:
+def table_figure(rows: int, bytes_per_row: float, waiting: int = 0, bytes_per_waiting: float = 0.0) -> str:
+    """A table's memory as the messages show it: rows, keys waiting for admission, and their GiB."""
+    total = (rows * bytes_per_row + waiting * bytes_per_waiting) / GIB
+    wait = f" + {waiting:,} keys waiting for admission x {bytes_per_waiting:.1f} B" if waiting else ""
+    return f"{rows:,} expected rows x {bytes_per_row:.1f} B/row{wait} = {total:,.1f} GiB"
+
+
+def expected_rows(meta: dict[str, Any], job: JobConfig, meta_file: str) -> tuple[int, int, list[str]]:
     """The rows `job`'s table is expected to reach on the dataset described by `meta` (its
-    ``_meta.json``), and notes on the caps applied. A DataError when `meta` counts no distinct values."""
+    ``_meta.json``), the keys left waiting for admission, and notes on how they were counted. A
+    DataError when `meta` counts no distinct values."""
     distinct = meta.get("distinct_values")
     if not isinstance(distinct, dict) or not distinct:
         raise DataError(
             f"{meta_file}: no distinct_values per slot (the table's expected rows); rewrite the dataset "
             "with `heterps data convert` or `heterps data synth`"
         )
+    for slot, count in distinct.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise DataError(f"{meta_file}: distinct_values.{slot} must be a count (got {count!r})")
     caps: list[tuple[int, str]] = []
     if job.runtime.train_steps is not None:
         caps.append((job.runtime.train_steps * job.batch_size, "runtime.train_steps x batch_size"))
     if job.table.ttl_batches:
         caps.append((job.table.ttl_batches * job.batch_size, "table.ttl_batches x batch_size"))
     cap, why = min(caps) if caps else (math.inf, "")
-    rows = 0
-    for slot, count in distinct.items():
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise DataError(f"{meta_file}: distinct_values.{slot} must be a count (got {count!r})")
-        rows += int(min(count, cap))
-    notes = []
-    if caps and rows < sum(distinct.values()):
-        notes.append(f"each slot capped at {cap:,} values ({why})")
-    if job.table.admit_after > 1:
-        notes.append(
-            "admission's share not estimated (_meta.json has no per-value counts): every distinct value counted"
+    seen = _keys_at_least(meta, meta_file) if job.table.admit_after > 1 else None
+    admission = ""
+    if seen is None:  # no admission, or a dataset that does not say how often its keys occur
+        per_slot = {slot: (count, 0) for slot, count in distinct.items()}
+        if job.table.admit_after > 1:
+            admission = (
+                "admission's share not estimated (_meta.json has no per-key counts: rewrite the dataset to "
+                "get them): every distinct value counted"
+            )
+    else:
+        # A key in k train rows is pulled in about k x epochs calls: a row from ceil(admit_after / epochs)
+        # rows on. The keys waiting are the most at once, at the end of the first epoch (those in fewer
+        # than admit_after rows): the candidates' store keeps the memory they took after they are admitted.
+        times = math.ceil(job.table.admit_after / job.runtime.epochs)
+        counted = min(len(c) for c in seen.values())  # the counts go up to n = counted (8)
+        known, once = min(times, counted), min(job.table.admit_after, counted)
+        per_slot = {slot: (c[known - 1], c[0] - c[once - 1]) for slot, c in seen.items()}
+        admission = (
+            f"admission after {job.table.admit_after} pulls: keys in at least {times} train rows get rows, the "
+            "others seen wait" + ("" if known == times else f" (counted at {known} rows: an upper bound)")
         )
-    return rows, notes
+    rows = waiting = 0
+    for admitted, left in per_slot.values():
+        rows += int(min(admitted, cap))
+        waiting += int(min(left, max(cap - admitted, 0)))
+    notes = []
+    if caps and rows + waiting < sum(a + w for a, w in per_slot.values()):
+        notes.append(f"each slot capped at {cap:,} values ({why})")
+    if admission:
+        notes.append(admission)
+    return rows, waiting, notes
+
+
+def _keys_at_least(meta: dict[str, Any], meta_file: str) -> dict[str, list[int]] | None:
+    """``train_keys_at_least`` of `meta` (per slot, keys in at least 1, 2, ... train rows), checked; None
+    for a dataset written before it."""
+    seen = meta.get("train_keys_at_least")
+    if seen is None:
+        return None
+    if not isinstance(seen, dict) or not seen:
+        raise DataError(f"{meta_file}: train_keys_at_least must map each slot to its counts (got {seen!r})")
+    for slot, counts in seen.items():
+        if (
+            not isinstance(counts, list)
+            or not counts
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
+            or any(a < b for a, b in zip(counts, counts[1:], strict=False))
+        ):
+            raise DataError(
+                f"{meta_file}: train_keys_at_least.{slot} must be non-increasing counts (got {counts!r})"
+            )
+    return seen
 
 
 def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | None:
@@ -98,26 +166,30 @@ def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | No
 
         dim = build_model(job.model).embedding_dim
     dataset = Dataset(job.data.path)
-    rows, notes = expected_rows(dataset.meta, job, str(dataset.path / "_meta.json"))
+    rows, waiting, notes = expected_rows(dataset.meta, job, str(dataset.path / "_meta.json"))
     spec = sparse_spec(job, dim, init_scale=0.0)
     tracked = spec.admit_after > 1 or spec.ttl > 0 or spec.max_rows > 0
     cap = job.table.max_shard_mb * 2**20 if job.table.max_shard_mb else math.inf
     if job.table.max_shard_mb:
         notes.append(f"each shard capped at table.max_shard_mb = {job.table.max_shard_mb:g} MiB")
-    return TableEstimate(rows, stored_bytes_per_row(dim, spec.optimizer, tracked), cap, tuple(notes))
+    return TableEstimate(
+        rows,
+        stored_bytes_per_row(dim, spec.optimizer, tracked),
+        cap,
+        tuple(notes),
+        waiting,
+        BYTES_PER_WAITING if waiting else 0.0,
+    )
 
 
-def shards_needed(
-    rows: int, bytes_per_row: float, budget_bytes: float, shard_cap_bytes: float = math.inf
-) -> int:
-    """The fewest shards, each on an actor with `budget_bytes` for table rows, that hold `rows` rows
-    (each shard holds at most `shard_cap_bytes`: a capped table evicts rather than grow)."""
-    total = rows * bytes_per_row
-    if min(total, shard_cap_bytes) <= budget_bytes:
+def shards_needed(table_bytes: float, budget_bytes: float, shard_cap_bytes: float = math.inf) -> int:
+    """The fewest shards, each on an actor with `budget_bytes` for table rows, that hold a table of
+    `table_bytes` (each shard holds at most `shard_cap_bytes`: a capped table evicts rather than grow)."""
+    if min(table_bytes, shard_cap_bytes) <= budget_bytes:
         return 1
     if budget_bytes <= 0:  # a type left no table memory (its node's memory is all reserved)
         return NO_SHARD_COUNT
-    return math.ceil(total / budget_bytes)
+    return math.ceil(table_bytes / budget_bytes)
 
 
 def budgets_gb(job: JobConfig) -> dict[str, float]:
@@ -134,10 +206,11 @@ def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
         "rows": estimate.rows,
         "bytes_per_row": round(estimate.bytes_per_row, 2),
         "budget_gb": budgets,
-        "shards_needed": shards_needed(
-            estimate.rows, estimate.bytes_per_row, budget, estimate.shard_cap_bytes
-        ),
+        "shards_needed": shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes),
     }
+    if estimate.waiting:
+        section["waiting"] = estimate.waiting
+        section["bytes_per_waiting"] = round(estimate.bytes_per_waiting, 2)
     if not math.isinf(estimate.shard_cap_bytes):
         section["shard_cap_gb"] = estimate.shard_cap_bytes / GIB
     if estimate.notes:
@@ -177,11 +250,10 @@ def with_table(
 def figures(table: PSTable, ps_type: str, cap: int) -> str:
     """The figures of a table that no plan (or a given plan) can hold, for the refusal's message."""
     budgets = ", ".join(f"{name} {gb:.2f} GiB" for name, gb in table.budget_gb.items())
-    total = table.rows * table.bytes_per_row / GIB
+    figure = table_figure(table.rows, table.bytes_per_row, table.waiting, table.bytes_per_waiting)
     line = (
-        f"the sparse table's {table.rows:,} expected rows x {table.bytes_per_row:.1f} B/row = {total:,.1f} GiB "
-        f"need {table.shards_needed:,} PS shards on {ps_type!r} (table budget per actor: {budgets}; "
-        f"{ps_type!r} has max_instances {cap})"
+        f"the sparse table's {figure} need {table.shards_needed:,} PS shards on {ps_type!r} (table budget "
+        f"per actor: {budgets}; {ps_type!r} has max_instances {cap})"
     )
     if table.notes:
         line += f"; {table.notes}"
@@ -240,12 +312,11 @@ def check_plan_holds(
     per_shard = min(estimate.total_bytes / num_shards, estimate.shard_cap_bytes)
     if per_shard <= budget:
         return
-    need = shards_needed(estimate.rows, estimate.bytes_per_row, budget, estimate.shard_cap_bytes)
+    need = shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes)
     raise ConfigError(
         plan_file,
         "ps_shards",
-        f"PS shards that hold the table: {estimate.rows:,} expected rows x {estimate.bytes_per_row:.1f} B/row "
-        f"= {estimate.total_bytes / GIB:,.1f} GiB over {num_shards} shard(s) on {job.cluster.ps_resource!r} is "
+        f"PS shards that hold the table: {estimate.figure()} over {num_shards} shard(s) on {job.cluster.ps_resource!r} is "
         f"{per_shard / GIB:,.2f} GiB per shard, over the type's table budget of {budget / GIB:.2f} GiB per "
         f"actor (at least {need:,} shards needed, its max_instances is "
         f"{job.cluster.type(job.cluster.ps_resource).max_instances})",

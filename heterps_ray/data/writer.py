@@ -3,6 +3,12 @@
 ``heterps data convert`` and ``heterps data synth`` write through :class:`DatasetWriter`; the
 reader, :class:`~heterps_ray.data.dataset.Dataset`, lives apart so neither imports the other's
 callers (synth writes, and the reader generates synthetic data on first use).
+
+Besides the rows, ``_meta.json`` says what the sparse table will hold (costmodel/table_memory.py):
+``distinct_values``, each slot's distinct values in both splits (:class:`DistinctCounter`), and
+``train_keys_at_least``, per slot how many keys the train split shows in at least n rows, n = 1..8
+(:class:`KeyFrequencies`): with admission a key gets a row at its ``admit_after``-th pull, so these
+give the rows a table admits and the keys left waiting.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from heterps_ray.data.criteo import COLUMNS, NUM_SLOTS, RAW_SCHEMA, SPARSE_COLUMNS
+from heterps_ray.data.criteo import COLUMNS, NUM_SLOTS, RAW_SCHEMA, SPARSE_COLUMNS, hash_slot, splitmix64
 from heterps_ray.data.layout import FORMAT, META_FILE, SPLITS, is_dataset, part_name, split_dir
 from heterps_ray.errors import ConfigError, DataError
 
@@ -40,6 +46,7 @@ class DatasetWriter:
         self.eval_every = eval_every
         self.rows_written = 0
         self._distinct = [DistinctCounter() for _ in range(NUM_SLOTS)]
+        self._frequent = [KeyFrequencies(slot) for slot in range(NUM_SLOTS)]
         self._tmp = self.output.parent / f".{self.output.name}.tmp-{os.getpid()}"
         shutil.rmtree(self._tmp, ignore_errors=True)
         try:
@@ -53,13 +60,15 @@ class DatasetWriter:
         n = table.num_rows
         for name, counter in zip(SPARSE_COLUMNS, self._distinct, strict=True):
             counter.add(table.column(name))
+        train = table
         if self.eval_every > 0:
             index = np.arange(self.rows_written, self.rows_written + n)
             to_eval = index % self.eval_every == self.eval_every - 1
+            train = table.filter(pa.array(~to_eval))
             self._parts["eval"].write(table.filter(pa.array(to_eval)))
-            self._parts["train"].write(table.filter(pa.array(~to_eval)))
-        else:
-            self._parts["train"].write(table)
+        self._parts["train"].write(train)
+        for name, frequencies in zip(SPARSE_COLUMNS, self._frequent, strict=True):
+            frequencies.add(train.column(name))
         self.rows_written += n
 
     def close(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +83,11 @@ class DatasetWriter:
         }
         meta["distinct_values_total"] = sum(meta["distinct_values"].values())
         meta["distinct_values_method"] = DistinctCounter.METHOD
+        # per slot: keys the train split shows in at least 1, 2, ..., MAX_N rows (admission's rows)
+        meta["train_keys_at_least"] = {
+            name: f.at_least() for name, f in zip(SPARSE_COLUMNS, self._frequent, strict=True)
+        }
+        meta["train_keys_at_least_method"] = KeyFrequencies.METHOD
         meta["split_rule"] = {
             "eval_every": self.eval_every,
             "rule": "row i (0-based) goes to eval when eval_every > 0 and i % eval_every == eval_every - 1",
@@ -176,6 +190,60 @@ class DistinctCounter:
         if estimate <= 2.5 * m and zeros:  # small range: linear counting
             estimate = m * np.log(m / zeros)
         return int(round(estimate))
+
+
+class KeyFrequencies:
+    """How many of one slot's keys (the sparse table's, heterps_ray.data.criteo.hash_slot) the rows
+    added show in at least n rows, n = 1..``MAX_N``: with admission a key gets a row at the
+    ``admit_after``-th pull call that shows it, so these count the rows a table admits and the keys
+    left waiting.
+
+    Exact while the slot has at most ``EXACT_MAX`` keys (each key's count is kept). Beyond, a hash
+    sample (Gibbons' distinct sampling, VLDB 2001): only the keys whose hash falls under 2^-level are
+    kept, with every occurrence of them counted, so their counts are distributed as the slot's; the
+    level rises by one whenever more than ``EXACT_MAX`` are kept, and the figures are scaled by
+    2^level. At most 64K keys a slot (1 MiB); the relative error of a figure is about
+    1/sqrt(sampled keys it counts): 1% at 10,000 (a Criteo-sized slot's keys seen twice, say)."""
+
+    EXACT_MAX = 1 << 16
+    MAX_N = 8
+    METHOD = (
+        f"keys of the train split in at least n rows, n = 1..{MAX_N}: exact up to {EXACT_MAX:,} keys a slot, "
+        "else a hash sample of the keys scaled up (about 1% error)"
+    )
+    _SALT = np.uint64(0x6A09E667F3BCC909)  # the sample's hash, apart from the table's and the shards'
+
+    def __init__(self, slot: int, exact_max: int = EXACT_MAX):
+        self.slot, self.exact_max = slot, exact_max
+        self.level = 0  # keys kept: those whose hash's top `level` bits are all zero
+        self._keys = np.zeros(0, dtype=np.uint64)
+        self._counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, values: pa.Array | pa.ChunkedArray) -> None:
+        """Count a string column's values (nulls: the empty string's key, as the reader hashes them)."""
+        if len(values) == 0:
+            return
+        counted = pc.value_counts(values)  # each distinct value once, in C++
+        keys = hash_slot(counted.field("values"), self.slot).view(np.uint64)
+        counts = counted.field("counts").to_numpy()
+        kept = self._sampled(keys)
+        keys, inverse = np.unique(np.concatenate([self._keys, keys[kept]]), return_inverse=True)
+        weights = np.concatenate([self._counts, counts[kept]]).astype(np.float64)
+        self._keys, self._counts = keys, np.bincount(inverse, weights, len(keys)).astype(np.int64)
+        while len(self._keys) > self.exact_max:
+            self.level += 1
+            kept = self._sampled(self._keys)
+            self._keys, self._counts = self._keys[kept], self._counts[kept]
+
+    def at_least(self) -> list[int]:
+        """Keys seen in at least n rows, for n = 1..MAX_N (the first: the slot's distinct keys)."""
+        scale = float(2**self.level)
+        return [int(round(np.count_nonzero(self._counts >= n) * scale)) for n in range(1, self.MAX_N + 1)]
+
+    def _sampled(self, keys: np.ndarray) -> np.ndarray:
+        if self.level == 0:
+            return np.ones(len(keys), dtype=bool)
+        return (splitmix64(keys ^ self._SALT) >> np.uint64(64 - self.level)) == 0
 
 
 def eval_every(eval_fraction: float) -> int:

@@ -102,6 +102,8 @@ def _profile(args: argparse.Namespace) -> int:
     spread = result.problem.get("runtime", {}).get("spread", {})
     if spread:  # how far each type's repeated one-stage probes fell from their median
         print("  the profile's own spread: " + ", ".join(f"{name} ±{s:.1%}" for name, s in spread.items()))
+    for item in result.unmeasured:  # what this cluster did not let the profile measure
+        print(f"  not measured: {item}")
     if result.flags:
         print(f"{len(result.flags)} poor fits (R² < 0.9, negative or clipped coefficients):")
         for flag in result.flags:

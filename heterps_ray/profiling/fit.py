@@ -154,6 +154,8 @@ class FitResult:
     quality: pd.DataFrame
     measurements: pd.DataFrame
     flags: list[str] = field(default_factory=list)
+    # what the profile could not measure on this cluster, and why (profiler.ProfileRun.unmeasured)
+    unmeasured: list[str] = field(default_factory=list)
     # wall time of the profile's parts (profiler.py: "layers", "probes", then "fit"), for the run's time line
     seconds: dict[str, float] = field(default_factory=dict)
 

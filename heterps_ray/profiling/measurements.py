@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,6 +196,7 @@ class PSProbe:
     micro_batch: int
     shards: list[Any]
     batches: list[np.ndarray]
+    started: float  # time.monotonic() when its shard was started
 
     @classmethod
     def start(
@@ -206,18 +208,39 @@ class PSProbe:
         ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
         # a shard computes nothing on a GPU: asking for none, it cannot wait for the profiling actors' GPUs
         options = {**job.cluster.type(ps_name).actor_options(), "num_gpus": 0}
+        started = time.monotonic()
         shards = start_shards(1, {"embedding": TableSpec(dim=spec.embedding_dim)}, options)
-        micro_batch = job.batch_size // job.runtime.micro_batches
-        batches = _key_batches(
-            job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
-        )
-        return cls(ps_name, micro_batch, shards, batches)
+        try:
+            micro_batch = job.batch_size // job.runtime.micro_batches
+            batches = _key_batches(
+                job, micro_batch, spec.num_slots, (settings.ps_repeats + 1) * settings.ps_calls, settings.seed
+            )
+        except BaseException:
+            for shard in shards:
+                ray.kill(shard)
+            raise
+        return cls(ps_name, micro_batch, shards, batches, started)
 
     def runs(
-        self, spec: ModelSpec, actors: dict[str, list[Any]], settings: ProfileSettings, wait: Waiter
+        self,
+        spec: ModelSpec,
+        actors: dict[str, list[Any]],
+        settings: ProfileSettings,
+        wait: Waiter,
+        unmeasured: list[str],
     ) -> list[Row]:
-        """Rows/s of pull+push through the shard, from the PS type's first actor; dense pushes to it."""
+        """Rows/s of pull+push through the shard, from the PS type's first actor; dense pushes to it.
+        No rows (a line in `unmeasured`) when the shard was not placed within ``settings.start_timeout_s``
+        of its start (the PS type's units taken by other work): a call to it would wait forever."""
         shards, batches, ps_name, micro_batch = self.shards, self.batches, self.ps_name, self.micro_batch
+        left = max(self.started + settings.start_timeout_s - time.monotonic(), 1.0)
+        placed, _ = ray.wait([s.describe.remote() for s in shards], num_returns=len(shards), timeout=left)
+        if len(placed) < len(shards):
+            unmeasured.append(
+                f"the PS shard's rates: its actor on {ps_name!r} was not placed within "
+                f"{settings.start_timeout_s:.0f} s (free now: {ray.available_resources()})"
+            )
+            return []
         client = actors[ps_name][0]
         out = []
         dense_params = max(spec.dense_params, 1)

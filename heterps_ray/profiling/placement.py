@@ -6,6 +6,7 @@ start (:func:`start_profiling`: placed and described, or a clear error) and ever
 Example::
 
     counts = actor_counts(present, ray.nodes(), "cpu_small")
+    shard_room(cluster.type("cpu_small"), ray.nodes(), counts)  # None, or why no PS shard fits beside
     group = hosts.start(rtype, counts[rtype.name])
     described = start_profiling(group, rtype, model, seed, timeout_s=120)
     rows = Waiter(900)(group[0].time_layers.remote(items, 2, 0), "cpu_small layers")
@@ -21,7 +22,7 @@ import ray
 
 from heterps_ray.config import ResourceType
 from heterps_ray.devices import unwrap
-from heterps_ray.errors import ConfigError, HeterPSError
+from heterps_ray.errors import ConfigError, HeterPSError, WaitTimeout
 from heterps_ray.profiling.actor import ProfilingHost
 
 
@@ -49,20 +50,17 @@ class OwnHosts:
             ray.kill(handle)
 
 
-class ProfileTimeout(HeterPSError):
+class ProfileTimeout(WaitTimeout):
     """A profiling actor did not answer a call in time (ProfileSettings.call_timeout_s)."""
-
-    category = "timeout"
-    exit_code = 1
 
 
 def actor_counts(
     present: list[ResourceType], nodes: list[dict[str, Any]], ps_type: str | None = None
 ) -> dict[str, int]:
     """Profiling actors per type: two where the alive nodes hold them, else one (the GPUs of the
-    cluster decide for GPU types: one actor each first, then the seconds; a unit of `ps_type` is kept
-    for the PS shard the profile starts). A type whose first actor fits nowhere (a GPU type in a
-    cluster without GPUs for it) is a ConfigError now, not a wait."""
+    cluster decide for GPU types: one actor each first, then the seconds; a unit of `ps_type`, and one
+    of its max_instances, is kept for the PS shard the profile starts). A type whose first actor fits
+    nowhere (a GPU type in a cluster without GPUs for it) is a ConfigError now, not a wait."""
     free = [dict(n.get("Resources", {})) for n in nodes if n.get("Alive", True)]
 
     def place(rtype: ResourceType, gpus: float | None = None) -> bool:
@@ -88,11 +86,30 @@ def actor_counts(
         counts[rtype.name] = 1
     for rtype in present:
         if rtype.name == ps_type:
-            place(rtype, gpus=0.0)  # the PS shard's unit (it asks for no GPU)
+            place(rtype, gpus=0.0)  # the PS shard's unit (it asks for no GPU), and one of its max_instances
     for rtype in present:
-        if rtype.max_instances >= 2 and place(rtype):
+        if rtype.max_instances >= 2 + (rtype.name == ps_type) and place(rtype):
             counts[rtype.name] = 2
     return counts
+
+
+def shard_room(rtype: ResourceType, nodes: list[dict[str, Any]], counts: dict[str, int]) -> str | None:
+    """Why the profile's PS shard cannot be placed beside the profiling actors (`counts` per type) on the
+    PS type `rtype`, else None: an actor beyond the type's max_instances, or beyond the units of it
+    that the cluster's alive nodes declare, would wait for placement forever."""
+    held = counts.get(rtype.name, 0)
+    if held + 1 > rtype.max_instances:
+        return (
+            f"its max_instances ({rtype.max_instances}) are all taken by the profiling actors: a PS shard "
+            f"needs one more {rtype.name!r} actor"
+        )
+    units = sum(n.get("Resources", {}).get(rtype.name, 0.0) for n in nodes if n.get("Alive", True))
+    if units < held + 1:
+        return (
+            f"the Ray cluster declares {units:g} unit(s) of {rtype.name!r}, all taken by the profiling "
+            "actors: a PS shard needs one more"
+        )
+    return None
 
 
 def start_profiling(

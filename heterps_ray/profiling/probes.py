@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 # (job, layers, caller type, callee type, split, steps) -> steady ms per batch of that sync plan
 ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
 
+
+class ProbeSkipped(Exception):
+    """A runner's refusal of a probe that the cluster cannot run (its actors and PS shard exceed a type's
+    max_instances): :func:`probe_runs` notes it as not measured and goes on with the others."""
+
 PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
 # A probe's steady batches last about this long (s) where 100 of them would last longer: on a slow type at
 # a big batch (a 4-core CPU type at 2048 on CTR-DNN 1024-1024-512-256: 74 ms a batch) 100 batches made
@@ -137,13 +142,15 @@ def probe_runs(
     run_probe: ProbeRunner,
     notes: list[str],
     batch_ms: dict[str, float] | None = None,
+    unmeasured: list[str] | None = None,
 ) -> list[Row]:
     """The profile's probe phase (:func:`probe_plans`, in order): one row per probe with its steady ms per batch and the CPU ms
     of other work beside it, on the job's data (a synthetic dataset as large as the probes read when
     the job has none yet). A one-stage run with more than ``settings.probe_background`` cores of other
     work beside it is taken again, and a type whose two one-stage runs disagree gets a third (at
     most ``settings.probe_extra`` runs added in all). `batch_ms`: each type's estimated ms a batch (the
-    profile's whole-model timings, :func:`batch_ms_of`): a slow type's probes train fewer batches."""
+    profile's whole-model timings, :func:`batch_ms_of`): a slow type's probes train fewer batches. A
+    probe the runner skips (:class:`ProbeSkipped`) is a line in `unmeasured`, once per probe plan."""
     import tempfile
 
     from tqdm.auto import tqdm
@@ -177,8 +184,15 @@ def probe_runs(
             caller, callee, split = queue.pop(0)
             label = _probe_label(layers, caller, callee, split, steps_of(caller, callee))
             bar.set_postfix_str(label)
-            with OtherWork() as background:
-                ms = run_probe(job, layers, caller, callee, split, steps_of(caller, callee))
+            try:
+                with OtherWork() as background:
+                    ms = run_probe(job, layers, caller, callee, split, steps_of(caller, callee))
+            except ProbeSkipped as skipped:
+                line = f"runtime probe {label}: {skipped}"
+                if unmeasured is not None and line not in unmeasured:
+                    unmeasured.append(line)
+                bar.update()
+                continue
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
             row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,

@@ -50,6 +50,7 @@ from heterps_ray.profiling.placement import (
     OwnHosts,
     Waiter,
     actor_counts,
+    shard_room,
     start_all,
 )
 from heterps_ray.profiling.probes import (
@@ -156,6 +157,8 @@ class ProfileRun:
     actors: list[dict[str, Any]] = field(default_factory=list)
     skipped_types: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # what the cluster did not let the profile measure, and why (the PS shard, a runtime probe)
+    unmeasured: list[str] = field(default_factory=list)
     # wall time: "start" (actors placed, layers built), "layers" (their timings), "probes"
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -217,6 +220,9 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         + f"; actors {'; '.join(devices)}",
         *(note for run in runs for note in run.notes),
     ]
+    result.unmeasured = [item for run in runs for item in run.unmeasured]
+    if result.unmeasured:
+        notes.append("not measured: " + " | ".join(result.unmeasured))
     if result.flags:
         notes.append(f"{len(result.flags)} poor fits: " + " | ".join(result.flags))
     result.problem["notes"] = "\n".join(notes)
@@ -279,9 +285,14 @@ def measure(
             [t.name for t in job.cluster.resource_types],
         )
     names = [t.name for t in present]
-    counts = actor_counts(
-        present, ray.nodes(), job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
-    )
+    ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
+    nodes = ray.nodes()
+    counts = actor_counts(present, nodes, ps_name)
+    unmeasured: list[str] = []
+    # a PS shard that cannot be placed beside the profiling actors is not started: its calls would wait
+    room = shard_room(job.cluster.type(ps_name), nodes, counts)
+    if room is not None:
+        unmeasured.append(f"the PS shard's rates ({ps_name!r}: {room})")
     hosts = hosts or OwnHosts()
     model = {"name": job.model.name, **job.model.params}
     actors: dict[str, list[Any]] = {}
@@ -290,7 +301,8 @@ def measure(
     try:
         for rtype in present:  # every type's processes start at once, and build their layers at once
             actors[rtype.name] = hosts.start(rtype, counts[rtype.name])
-        ps = PSProbe.start(job, spec, present, settings)  # its shard and keys while the actors start
+        if room is None:
+            ps = PSProbe.start(job, spec, present, settings)  # its shard and keys while the actors start
         infos = start_all(
             [(t, actors[t.name]) for t in present], model, settings.seed, settings.start_timeout_s
         )
@@ -300,7 +312,6 @@ def measure(
             ps.stop()
         _release(hosts, present, actors, reuse=False)
         raise
-    assert ps is not None
     seconds: dict[str, float] = {"start": time.perf_counter() - started}
     started = time.perf_counter()
     wait = Waiter(settings.call_timeout_s)
@@ -328,7 +339,8 @@ def measure(
         rows += call_runs(present, actors, settings, notes, wait)
         bar.update()
         bar.set_postfix_str("PS shard")
-        rows += ps.runs(spec, actors, settings, wait)
+        if ps is not None:
+            rows += ps.runs(spec, actors, settings, wait, unmeasured)
         bar.update()
         bar.set_postfix_str("input read rate")
         rows += input_runs(job, present, actors, settings, wait)
@@ -341,13 +353,21 @@ def measure(
         done = True
     finally:
         bar.close()
-        ps.stop()
+        if ps is not None:
+            ps.stop()
         _release(hosts, present, actors, reuse=done)
     seconds["layers"] = time.perf_counter() - started
     if run_probe is not None and settings.probe_steps is not None:  # the probes reuse warm hosts
         started = time.perf_counter()
         rows += probe_runs(
-            job, spec, [t.name for t in present], settings, run_probe, notes, batch_ms_of(rows, job.batch_size)
+            job,
+            spec,
+            [t.name for t in present],
+            settings,
+            run_probe,
+            notes,
+            batch_ms_of(rows, job.batch_size),
+            unmeasured,
         )
         seconds["probes"] = time.perf_counter() - started
     if skipped:
@@ -361,7 +381,12 @@ def measure(
         notes.append(f"one actor of {scarce}: the cluster's GPUs do not hold two (no 1 vs 2 replica runs)")
     frame = pd.DataFrame([r.__dict__ for r in rows], columns=[*COLUMNS, *GPU_COLUMNS])
     return ProfileRun(
-        measurements=frame, actors=described, skipped_types=skipped, notes=notes, seconds=seconds
+        measurements=frame,
+        actors=described,
+        skipped_types=skipped,
+        notes=notes,
+        unmeasured=unmeasured,
+        seconds=seconds,
     )
 
 

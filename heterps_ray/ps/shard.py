@@ -36,7 +36,7 @@ import numpy as np
 import ray
 
 from heterps_ray.chaos import FaultPoints
-from heterps_ray.errors import DataError
+from heterps_ray.errors import DataError, WaitTimeout
 from heterps_ray.ps.atomic import Member, NpzReader, write_npz_streamed
 from heterps_ray.ps.table import SparseTable, max_rows_for, splitmix64, sum_rows
 from heterps_ray.reusable import Reusable
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from heterps_ray.config import JobConfig
 
 _SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
+# A pull not answered by then: the shard is stuck, or was never placed (a profile's shard on a type whose
+# units its own actors hold). A pull takes milliseconds; behind a snapshot of a big shard, seconds.
+PULL_TIMEOUT_S = 300.0
 # torch.optim.Adam defaults, so a dense table on the PS steps exactly like the reference's Adam.
 _ADAM_BETAS = (0.9, 0.999)
 _ADAM_EPS = 1e-8
@@ -571,7 +574,14 @@ class _ShardActors:
 
     def ask(self, method: str, calls: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
         refs = {s: getattr(self.handles[s], method).remote(*args) for s, args in calls.items()}
-        return dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        try:
+            answers = ray.get(list(refs.values()), timeout=PULL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise WaitTimeout(
+                f"PS shard(s) {sorted(refs)} did not answer a {method} within {PULL_TIMEOUT_S:.0f} s: stuck, "
+                "or never placed (the units of their resource type all taken)"
+            ) from None
+        return dict(zip(refs, answers, strict=True))
 
     def send(self, method: str, calls: dict[int, tuple[Any, ...]]) -> list[Any]:
         return [getattr(self.handles[s], method).remote(*args) for s, args in calls.items()]

@@ -9,10 +9,15 @@ The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py
     placement = actors.start()
     ...
     actors.shutdown()
+
+Actors join the set one by one as they are started, so a start that fails part way (Ray refuses a
+type's options, a warm actor's reconfiguration raises, the placement times out) leaves a set whose
+every walk (:meth:`ActorSet.all_actors`, :meth:`ActorSet.shutdown`) covers the actors started so far.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,8 @@ from heterps_ray.runtime.worker_base import WorkerSettings
 from heterps_ray.runtime.workers import DataSettings, DataWorker, HostedPS
 
 READY_TIMEOUT_S = 120.0  # actors not placed by then: the cluster cannot hold the plan
+
+log = logging.getLogger(__name__)
 
 
 def actor_bundle(cluster: ClusterConfig, type_name: str) -> dict[str, float]:
@@ -171,18 +178,23 @@ class ActorSet:
         )
 
     def start(self) -> list[dict[str, Any]]:
-        """Start shards, stage workers and data workers; wait until all are placed."""
+        """Start shards, stage workers and data workers; wait until all are placed. Each actor joins
+        the set as soon as it is started: a failure part way leaves :meth:`shutdown` the ones before."""
         if self.hosted:
             self.worker_shards = HostedPS(self.num_shards, {SPARSE_TABLE: self.table})
             self.shards = [HostedShard(self.data_worker_0, i) for i in range(self.num_shards)]
         else:
-            self.shard_actors[:] = [self.new_shard(i) for i in range(self.num_shards)]
+            for i in range(self.num_shards):
+                self.shard_actors.append(self.new_shard(i))
             self.shards = [RemoteShard(a) for a in self.shard_actors]
         self.register_dense_tables(range(self.num_shards))
-        self.stage_workers = [
-            [self.new_stage_worker(stage, r) for r in range(stage.replicas)] for stage in self.stages[1:]
-        ]
-        self.data_workers = [self.new_data_worker(i) for i in range(self.num_workers)]
+        for stage in self.stages[1:]:
+            replicas: list[Any] = []
+            self.stage_workers.append(replicas)
+            for r in range(stage.replicas):
+                replicas.append(self.new_stage_worker(stage, r))
+        for i in range(self.num_workers):
+            self.data_workers.append(self.new_data_worker(i))
         return self.wait_placed([a for *_, a in self.all_actors()])
 
     def wait_placed(self, actors: list[Any]) -> list[dict[str, Any]]:
@@ -190,13 +202,17 @@ class ActorSet:
         try:
             return ray.get([a.describe.remote() for a in actors], timeout=READY_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise ConfigError(
-                None,
-                "stages",
-                f"a plan whose actors fit the Ray cluster (demand: {self.demand()}; "
-                f"available now: {ray.available_resources()})",
-                f"actors not placed after {READY_TIMEOUT_S:.0f} s",
-            ) from None
+            raise self.not_placed() from None
+
+    def not_placed(self) -> ConfigError:
+        """The error of actors not placed within READY_TIMEOUT_S: the plan's demand and what is free."""
+        return ConfigError(
+            None,
+            "stages",
+            f"a plan whose actors fit the Ray cluster (demand: {self.demand()}; "
+            f"available now: {ray.available_resources()})",
+            f"actors not placed after {READY_TIMEOUT_S:.0f} s",
+        )
 
     def dense_ps(self, stage: StageSpec) -> Any:
         """The PS shard holding a stage's dense weights (async, replicated stages), else None."""
@@ -223,7 +239,10 @@ class ActorSet:
                         self.job.optimizer.dense_lr,
                     )
                 )
-        ray.get(refs)
+        try:  # at the start, before the shards are known to be placed: within the placement deadline
+            ray.get(refs, timeout=READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise self.not_placed() from None
 
     def demand(self) -> dict[str, float]:
         """The Ray resources the plan's actors ask for, summed by resource name."""
@@ -242,14 +261,19 @@ class ActorSet:
         """(kind, stage, replica, handle) of every actor; PS shards have stage -1 (hosted shards are
         no actors: they live and die with DataWorker 0)."""
         out = [("ps_shard", -1, i, s) for i, s in enumerate(self.shard_actors)]
-        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+        for stage, replicas in self.started_stages():
             out += [("stage_worker", stage.index, r, w) for r, w in enumerate(replicas)]
         return out + [("data_worker", 0, i, w) for i, w in enumerate(self.data_workers)]
+
+    def started_stages(self) -> list[tuple[StageSpec, list[Any]]]:
+        """(stage, its StageWorkers) for stages 1..S-1, as far as they were started: all of them once
+        :meth:`start` has returned, the first ones (or none) when it failed part way."""
+        return list(zip(self.stages[1:], self.stage_workers, strict=False))
 
     def trained_actors(self) -> dict[str, Any]:
         """Checkpoint file name -> actor with dense weights and optimizer state."""
         owners = {f"data-{i:03d}.npz": w for i, w in enumerate(self.data_workers)}
-        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+        for stage, replicas in self.started_stages():
             owners.update({f"stage{stage.index}-replica{r:03d}.npz": w for r, w in enumerate(replicas)})
         return owners
 
@@ -338,7 +362,7 @@ class ActorSet:
     def rewire(self) -> None:
         """Every actor takes the current generation and handles (after replacements)."""
         refs = []
-        for stage, replicas in zip(self.stages[1:], self.stage_workers, strict=True):
+        for stage, replicas in self.started_stages():
             refs += [w.rewire.remote(self.generation, self.dense_ps(stage)) for w in replicas]
         refs += [
             w.rewire.remote(
@@ -352,14 +376,19 @@ class ActorSet:
         ray.get(refs)
 
     def shutdown(self, keep_warm: bool = False) -> None:
-        """End the set's actors; `keep_warm` (the run is quiescent: no call of it in flight): keep them
-        idle for the next run in this driver (warm.py) instead of killing them."""
+        """End the set's actors, those started so far; `keep_warm` (the run is quiescent: no call of it
+        in flight): keep them idle for the next run in this driver (warm.py) instead of killing them.
+        Best effort: an actor that cannot be ended (already dead, its Ray gone) is logged and skipped,
+        so that the clean-up after a failed run never hides the error that ended it."""
         classes = {"ps_shard": PSShard, "stage_worker": StageWorker, "data_worker": DataWorker}
-        for kind, stage, _, actor in self.all_actors():
-            if keep_warm:
-                options = self.job.cluster.type(self.type_of(kind, stage)).actor_options()
-                warm.keep_warm(actor, classes[kind], options)
-            else:
-                ray.kill(actor)
+        for kind, stage, replica, actor in self.all_actors():
+            try:
+                if keep_warm:
+                    options = self.job.cluster.type(self.type_of(kind, stage)).actor_options()
+                    warm.keep_warm(actor, classes[kind], options)
+                else:
+                    ray.kill(actor)
+            except Exception as exc:
+                log.warning("could not end %s %d/%d: %s", kind, stage, replica, exc)
         self.data_workers, self.stage_workers, self.shards = [], [], []
         self.shard_actors.clear()

@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +58,8 @@ from heterps_ray.runtime.recovery import Recovery
 from heterps_ray.runtime.snapshots import CheckpointSaver, StateStore, resume_point
 
 SUMMARY_FILE = "run_summary.json"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -263,11 +267,30 @@ def train(
             stop.start = _start_timing(ready_s, loop.first_batch_s)
         raise
     finally:
-        if tracker is not None:
-            tracker.close()
-        actors.shutdown(keep_warm=quiescent and not owns_ray)
-        if owns_ray:
-            ray.shutdown()
+        _clean_up(
+            [
+                *([tracker.close] if tracker is not None else []),
+                lambda: actors.shutdown(keep_warm=quiescent and not owns_ray),
+                *([ray.shutdown] if owns_ray else []),
+            ],
+            failing=sys.exc_info()[1] is not None,
+        )
+
+
+def _clean_up(steps: list[Callable[[], object]], failing: bool) -> None:
+    """Run every step of a run's clean-up, each one even when a step before it failed. While the run's
+    own error propagates (`failing`), a step's error is logged, never raised over it: the user sees the
+    first error (a plan refused before its actors were all started, say), not one of the clean-up."""
+    first: Exception | None = None
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            if failing:
+                log.warning("clean-up after a failed run: %s", exc)
+            first = first or exc
+    if first is not None and not failing:
+        raise first
 
 
 def _start_timing(ready_s: float, first_batch_s: float | None) -> dict[str, float | None]:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import ray
 
+from heterps_ray.errors import WaitTimeout
 from heterps_ray.metrics.tracking import RunTracker
 from heterps_ray.runtime.actors import ActorSet
 from heterps_ray.runtime.elastic import ResourcesChanged, change_reason, present_types
@@ -40,6 +41,9 @@ CHUNK_SECONDS = 1.0
 FLOOR_CHUNKS = 2
 FLOOR_WINDOW_S = 3.0
 FLOOR_SHORTFALL = 0.9  # a steady rate under this fraction of the floor misses it (10% slack for noise)
+# A chunk (sized to CHUNK_SECONDS of work; the first, CHUNK_STEPS batches) not done by then: an actor of the
+# pipeline hangs (a stage's call or a PS pull that never returns), and the run stops with a message.
+CHUNK_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -178,7 +182,7 @@ class ChunkLoop:
                         # (evaluation, saving) can lose it: a fault there rolls back to it, not before
                         self._make_durable(done, samples, losses)
                         break
-                    results = ray.get(refs)
+                    results = self._chunk_results(refs, active, per)
                     interval = time.perf_counter() - t0
                     seconds += interval
                     chunks.append((sum(r["samples"] for r in results), interval))
@@ -263,6 +267,20 @@ class ChunkLoop:
             "positions": {i: p["position"] for i, p in recovery.progress.items()},
             "floor_check": floor_check,
         }
+
+    def _chunk_results(self, refs: list[Any], active: list[int], per: int) -> list[dict[str, Any]]:
+        """The DataWorkers' answers for a chunk of `per` batches each; a WaitTimeout naming the ones
+        still running after CHUNK_TIMEOUT_S (an actor death raises as itself, for recovery)."""
+        try:
+            return list(ray.get(refs, timeout=CHUNK_TIMEOUT_S))
+        except ray.exceptions.GetTimeoutError:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+            stuck = [i for i, r in zip(active, refs, strict=True) if r in pending]
+            raise WaitTimeout(
+                f"DataWorker(s) {stuck} did not finish a chunk of {per} batches within {CHUNK_TIMEOUT_S:.0f} s: "
+                "an actor of the pipeline hangs (a stage's call or a PS pull that does not return); "
+                "resume from the newest checkpoint with --resume"
+            ) from None
 
     def supervised(self, phase: str, call: Callable[[], T]) -> T:
         """`call()` (a phase after the last batch that talks to the actors: evaluation, stats,

@@ -181,7 +181,7 @@ class _ReplacementWait:
             if not pending:
                 return
             self._check_types(None)
-        self.actors.wait_placed(actors)  # raises the ConfigError naming the demand
+        raise self.actors.not_placed()  # the ConfigError naming the demand (no second wait)
 
     def _check_types(self, cause: BaseException | None) -> None:
         """Elastic runs: raise ResourcesChanged when a type of the plan has left the cluster."""

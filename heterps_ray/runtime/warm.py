@@ -74,6 +74,11 @@ class _Pool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 _kill(entry.handle)
                 continue
+            except BaseException:
+                # its constructor raised (bad input): the error is the caller's, and the actor, emptied
+                # by reconfigure, goes
+                _kill(entry.handle)
+                raise
             self.reused += 1
             return entry.handle
         self._make_room(_bundle(options))
