@@ -51,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (train + eval)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the systems (alternating order)")
-    parser.add_argument("--plain-steps", type=int, default=300, help="timed batches of a plain loop")
+    parser.add_argument(
+        "--plain-steps", type=int, default=300, help="timed batches of the plain loop, table on the GPU"
+    )
+    parser.add_argument(
+        "--plain-cpu-steps", type=int, default=100, help="timed batches of it with the table on the CPU"
+    )
     parser.add_argument("--gpu-type", default="h200", help="name of the cuda resource type")
     parser.add_argument("--gpu-cpus", type=float, default=6.0, help="CPUs a GPU actor asks Ray for")
     parser.add_argument("--cpu-cores", type=int, default=4, help="cores of one actor of the cpu type")
@@ -71,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.tiny:
-        args.rows, args.batch_sizes, args.plain_steps, args.min_samples = 6_000, [64, 128], 20, 0
+        args.rows, args.batch_sizes, args.plain_steps, args.plain_cpu_steps, args.min_samples = (
+            6_000,
+            [64, 128],
+            20,
+            20,
+            0,
+        )
     args.quick_profile = (args.quick_profile or args.tiny) and not args.full_profile
     args.workdir = args.workdir.resolve()
     out = (args.out or args.workdir / "bench_gpu.json").resolve()
@@ -109,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                     if system == "heterps":
                         run, problem = _heterps(args, batch_size, problem, rnd)
                     else:
-                        run = _plain(train, job, device, batch_size, args.plain_steps, system == "plain_gpu")
+                        on_gpu = system == "plain_gpu"
+                        steps = args.plain_steps if on_gpu else args.plain_cpu_steps
+                        run = _plain(train, job, device, batch_size, steps, on_gpu)
                     run.update(system=system, batch_size=batch_size, round=rnd)
                     results["runs"].append(run)
                     print(json.dumps(run), flush=True)

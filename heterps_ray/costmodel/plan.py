@@ -237,7 +237,8 @@ class Plan:
             where, count = f"GPU memory ({kind})", 1
         ms = self.table_ms if self.table_ms is not None else 0.0
         rate = "in stage 0" if ms <= 0 else _num(1000.0 * self.batch_size / ms)
-        return f"{'table':<6} {where:<28} {self.table_type or self.ps_type:<10} {count:>8} {_ms(ms):>16} {rate:>23}"
+        shown = _ms(ms) if ms > 0 else "-"
+        return f"{'table':<6} {where:<28} {self.table_type or self.ps_type:<10} {count:>8} {shown:>16} {rate:>23}"
 
 
 def check_plan(plan: Plan, problem: Problem, file: str | None = None) -> None:
