@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from heterps_ray.config import ClusterConfig
-from heterps_ray.costmodel import load_problem
+from heterps_ray.costmodel import CostModel, load_problem, problem_from_dict
 from heterps_ray.errors import DataError
 from heterps_ray.profiling.fit import (
     COLUMNS,
@@ -246,3 +246,42 @@ def test_a_probe_that_scales_a_types_layer_times_scales_its_fused_saving_with_th
         assert after["fused_saving_ms"] == pytest.approx(before["fused_saving_ms"] * scale, rel=1e-5)
         fixed = [layer["time_ms"][after["name"]]["fixed"] for layer in scaled.problem["layers"]]
         assert after["fused_saving_ms"] <= float(np.mean(fixed))
+
+
+def test_a_probes_cold_gpu_tier_misses_are_priced_apart_not_scaled_into_the_layers():
+    """A one-stage probe starts with an empty GPU tier: over its few steady batches it still meets keys for
+    the first time, each fetched from the shards at gpu_miss_ms_per_row. The fit explains those misses
+    apart; scaled into the layers they would slow every plan on the type (on an H200 the model then
+    predicted 27-60% under the achieved rate)."""
+    tier = [_row(kind="gpu_table", resource="big", rows=26 * 512 * 10, ms=26 * 512 * 10 * 1e-4),
+            _row(kind="gpu_miss", resource="big", rows=10_000, ms=10.0)]  # fmt: skip
+    measured = pd.concat(
+        [_measurements(noise=0.0), pd.DataFrame(tier, columns=list(COLUMNS))], ignore_index=True
+    )
+
+    def loop_ms(problem: dict) -> float:  # the one-stage plan on big, as the fit prices its probe
+        terms = problem["runtime"]
+        fitted = {"mode": "sync", "ps_wait_ms_per_row": terms["ps_wait_ms_per_row"], "gpu_table_ms_per_row":
+                  terms["gpu_table_ms_per_row"], "gpu_miss_ms_per_row": terms["gpu_miss_ms_per_row"]}  # fmt: skip
+        model = CostModel(problem_from_dict({**problem, "runtime": fitted}))
+        limits = model.evaluate(["big"] * len(LAYERS), [1], 1).runtime
+        assert limits is not None and limits.table.place == "gpu"
+        return limits.loop_ms
+
+    unscaled = loop_ms(_fit(measured).problem)
+    cold_per_batch, miss_ms = 2_000, 10.0 / 10_000
+    probe_ms = 1.5 * unscaled + cold_per_batch * miss_ms
+    for misses in (cold_per_batch, 0):
+        probe = _row(
+            kind="probe",
+            resource="big",
+            layer="logit",
+            batch_size=512,
+            rows=misses * 20,
+            calls=20,
+            ms=probe_ms,
+        )
+        fitted = _fit(pd.concat([measured, pd.DataFrame([probe], columns=list(COLUMNS))], ignore_index=True))
+        assert fitted.problem["runtime"]["gpu_miss_ms_per_row"] == {"big": pytest.approx(miss_ms)}
+        # the fitted model's plan plus the probe's own cold misses is the probe
+        assert loop_ms(fitted.problem) + misses * miss_ms == pytest.approx(probe_ms, rel=1e-6)

@@ -20,6 +20,7 @@ from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.table_memory import table_place
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.devices import CUDA_AS_CPU_VAR
+from heterps_ray.profiling.probes import PROBE_WARMUP
 from heterps_ray.ps.table import device_row_bytes
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import RunSummary, train
@@ -199,23 +200,32 @@ def test_a_re_plan_moves_the_table_between_the_gpu_and_the_cpu(
     _same_rows(_rows(tail), _rows(in_gpu_memory), atol=1e-6)
 
 
-def test_the_profile_prices_the_gpu_tier_and_the_plan_says_where_the_table_lives(ray_local, dataset, tmp_path):
+def test_the_profile_prices_the_gpu_tier_and_the_plan_says_where_the_table_lives(
+    ray_local, dataset, tmp_path
+):
     """A (quick) profile of a cluster with a cuda type measures its GPU tier (the per-row cost with the
     rows held, and for rows taken and given back) and the rows its memory holds; the model prices a plan
-    on it with the rows there, and the printed plan says so instead of a shard actor's rate."""
+    on it with the rows there, each row's first lookup from the shards, and the printed plan says so
+    instead of a shard actor's rate. Its one-stage probe starts from an empty tier and counts the cold
+    misses of its steady batches, for the fit to price apart (test_fit.py)."""
     from heterps_ray.closedloop.probes import profile_job
     from heterps_ray.costmodel import CostModel, problem_from_dict
     from heterps_ray.profiling.profiler import ProfileSettings
 
     job = _job(dataset, tmp_path, gpu_memory_gb=0.01)
-    problem = problem_from_dict(profile_job(job, ProfileSettings.quick(progress=False)).problem)
+    settings = ProfileSettings.quick(progress=False, probe_steps=24, probe_repeats=1, probe_extra=0)
+    fitted = profile_job(job, settings)
+    problem = problem_from_dict(fitted.problem)
     terms, table = problem.runtime, problem.ps.table
     assert terms is not None and table is not None
     assert set(terms.gpu_table_ms_per_row) == set(terms.gpu_miss_ms_per_row) == {GPU}
     assert terms.gpu_table_ms_per_row[GPU] > 0 and terms.gpu_miss_ms_per_row[GPU] > 0
     assert table.gpu_rows[GPU] == int(0.01 * 2**30 // (1.5 * device_row_bytes(4)))
-    assert table.gpu_hit_rate[GPU] == 1.0  # the table fits
+    lookups = job.samples * sum(layer.sparse_rows_per_sample for layer in problem.layers)
+    assert table.gpu_hit_rate[GPU] == pytest.approx(1.0 - table.rows / lookups)  # fits: cold misses only
     on_gpu = CostModel(problem).evaluate([GPU] * 4, [1], 1)
     assert on_gpu.runtime is not None and on_gpu.runtime.table.place == "gpu"
+    probe = fitted.measurements.query(f"kind == 'probe' and resource == '{GPU}' and peer == ''").iloc[0]
+    assert probe["rows"] > 0 and probe["calls"] == 24 - PROBE_WARMUP  # its tier's misses, steady batches
     shown = Plan.from_evaluation(problem, on_gpu, "manual").table()
     assert "GPU memory (all rows)" in shown and "(parameter server)" not in shown

@@ -77,6 +77,11 @@ def test_the_table_lives_in_stage_0s_gpu_memory_when_it_hosts_the_shards_and_is_
     cache = CostModel(problem_from_dict(cached)).evaluate(["b", "b", "b"], [1], 1)
     assert cache.runtime is not None and cache.runtime.table.place == "gpu_cache"
     assert cache.runtime.stage_ms[0] - on_b.runtime.stage_ms[0] == pytest.approx(rows * 0.2 * 0.01)
+    # every row fits: still all rows in GPU memory, and each row's first lookup (a cold miss) is priced
+    cached["ps"]["table"].update(gpu_rows={"b": 1000}, gpu_hit_rate={"b": 0.99})
+    cold = CostModel(problem_from_dict(cached)).evaluate(["b", "b", "b"], [1], 1)
+    assert cold.runtime is not None and cold.runtime.table.place == "gpu"
+    assert cold.runtime.stage_ms[0] - on_b.runtime.stage_ms[0] == pytest.approx(rows * 0.01 * 0.01)
     off = _model(mode="sync", gpu_table="off", **gpu).evaluate(["b", "b", "b"], [1], 1)
     assert off.runtime is not None and off.runtime.table.place == "ps"
     actors = _model(mode="sync", ps_hosting="actors", **gpu).evaluate(["b", "b", "b"], [1], 1)

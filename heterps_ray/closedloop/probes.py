@@ -12,10 +12,11 @@ from heterps_ray.costmodel.plan import Plan, PlanStage
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.fit import FitResult
-from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, ProbeSkipped, probe_steps
+from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, ProbeSkipped, ProbeTiming, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
 from heterps_ray.runtime import warm
 from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.loop import LiveActors
 from heterps_ray.runtime.pipeline import check_capacity, resolve_stages
 from heterps_ray.runtime.stage_worker import StageWorker
 from heterps_ray.runtime.workers import DataWorker
@@ -58,9 +59,10 @@ class WarmHosts:
 
 def run_probe(
     job: JobConfig, layers: list[str], caller: str, callee: str, split: int, steps: int = PROBE_STEPS
-) -> float:
-    """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`;
-    ProbeSkipped where its actors and PS shard exceed a type's max_instances (train would refuse it)."""
+) -> ProbeTiming:
+    """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`,
+    and the lookups its GPU tier missed over those batches; ProbeSkipped where its actors and PS shard
+    exceed a type's max_instances (train would refuse it)."""
     stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
     if split < len(layers):
         stages.append(PlanStage(tuple(layers[split:]), callee, 1, 0.0, 0.0))
@@ -94,6 +96,13 @@ def run_probe(
         check_capacity(specs, int(plan.ps_shards), job.cluster)
     except ConfigError as exc:
         raise ProbeSkipped(f"{exc.expected}: it needs {exc.got}") from None
+    warmed: list[tuple[int, int]] = []  # (step, tier misses) at the end of the warm-up chunk
+
+    def after_warmup(live: LiveActors) -> None:
+        if not warmed:
+            stats = ray.get([w.table_stats.remote() for w in live.data_workers])
+            warmed.append((live.step, sum(int(s.get("misses", 0)) for s in stats)))
+
     summary = train(
         probe_job,
         plan,
@@ -102,6 +111,14 @@ def run_probe(
         save=False,
         evaluation=False,
         first_chunk=PROBE_WARMUP,
+        on_chunk=after_warmup,
     )
     rate = summary.steady_throughput or summary.throughput
-    return 1000.0 * job.batch_size / rate
+    # a probe starts with an empty GPU tier: its steady batches still meet keys for the first time (cold
+    # misses a long run amortizes); the fit prices them apart instead of into the layers
+    misses, batches = 0, 0
+    table = summary.extra.get("table", {})
+    if warmed and "misses" in table:
+        batches = summary.steps - warmed[0][0]
+        misses = int(table["misses"]) - warmed[0][1]
+    return ProbeTiming(1000.0 * job.batch_size / rate, misses, batches)

@@ -82,8 +82,9 @@ class PSTable(BaseModel):
     )
     gpu_hit_rate: dict[str, float] = Field(
         default_factory=dict,
-        description="per cuda type: the share of key lookups its GPU memory serves at gpu_rows (1: every "
-        "row fits; less: a cache, measured by replaying the data's keys through it; absent: 1)",
+        description="per cuda type: the share of the run's key lookups its GPU memory serves at gpu_rows "
+        "(where every row fits, all but each row's first; less for a cache, from the data's key popularity; "
+        "absent: 1)",
     )
     notes: str | None = None
 

@@ -72,8 +72,9 @@ def table_rate(problem: Problem, terms: RuntimeTerms, type_name: str, hosted: bo
     if table is not None and table.gpu_rows.get(type_name, 1) < 1:
         return shards
     hit = table.gpu_hit_rate.get(type_name, 1.0) if table is not None else 1.0
-    miss = (1.0 - hit) * terms.gpu_miss_ms_per_row.get(type_name, 0.0)
-    return TableRate("gpu" if hit >= 1.0 else "gpu_cache", terms.gpu_table_ms_per_row[type_name] + miss, hit)
+    miss = (1.0 - hit) * terms.gpu_miss_ms_per_row.get(type_name, 0.0)  # each row's first lookup at least
+    fits = table is None or table.gpu_rows.get(type_name, table.rows) >= table.rows
+    return TableRate("gpu" if fits else "gpu_cache", terms.gpu_table_ms_per_row[type_name] + miss, hit)
 
 
 @dataclass(frozen=True)

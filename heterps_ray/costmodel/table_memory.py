@@ -236,7 +236,8 @@ def with_table(
     held = gpu_rows_of(job, dim, {**before.get("gpu_rows", {}), **(gpu_rows or {})})
     if held:
         section["gpu_rows"] = held
-        section["gpu_hit_rate"] = {name: gpu_hit_rate(job, rows, estimate.rows) for name, rows in held.items()}
+        lookups = job.samples * sum(float(layer.get("sparse_rows_per_sample", 0.0)) for layer in data["layers"])
+        section["gpu_hit_rate"] = {name: gpu_hit_rate(job, rows, estimate.rows, lookups) for name, rows in held.items()}
     data.setdefault("ps", {})["table"] = section
     runtime = data.get("runtime")
     if runtime is not None and runtime.get("ps_hosting", "auto") == "auto":
@@ -406,13 +407,14 @@ def gpu_rows_of(job: JobConfig, dim: int, measured: dict[str, int]) -> dict[str,
 HIT_RATE_SAMPLE_ROWS = 500_000  # training rows whose keys give the popularity a cache's hit rate is estimated from
 
 
-def gpu_hit_rate(job: JobConfig, capacity: int, rows: int) -> float:
+def gpu_hit_rate(job: JobConfig, capacity: int, rows: int, lookups: float) -> float:
     """The share of key lookups a GPU memory of `capacity` rows serves for `job`'s table of `rows`
-    expected rows: 1 where they fit; else an LRU cache's hit rate under the data's key popularity
-    (Che's approximation, over the keys of the first HIT_RATE_SAMPLE_ROWS training rows, the capacity
-    scaled to the share of the table they hold)."""
+    expected rows over the run's `lookups`: where they fit, all but each row's first lookup (it comes
+    from the shards); else an LRU cache's hit rate under the data's key popularity (Che's approximation,
+    over the keys of the first HIT_RATE_SAMPLE_ROWS training rows, the capacity scaled to the share of the
+    table they hold)."""
     if capacity >= rows:
-        return 1.0
+        return max(1.0 - rows / lookups, 0.0) if lookups > 0 else 1.0
     from heterps_ray.data.dataset import Dataset
 
     keys = []

@@ -44,7 +44,8 @@ from heterps_ray.ps.atomic import write_bytes_atomic
 #             of CPU: Ray's own work per call), "call" (`calls` calls carrying `nbytes` and returning
 #             as much, 4 in flight, received by an actor of `resource` in `ms`: its own work per call),
 #             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer"),
-#             "probe" (a runtime probe, probes.py: its plan's steady ms per batch in `ms`),
+#             "probe" (a runtime probe, probes.py: its plan's steady ms per batch in `ms`; its GPU
+#             tier's misses over its `calls` steady batches in `rows`),
 #             "probe_disturbed" (a one-stage probe run taken again: other work ran beside it; not fitted),
 #             "gpu_table" (the GPU tier of a cuda type: `rows` key rows of batches it held, in `ms`),
 #             "gpu_miss" (`rows` rows it fetched from a shard and wrote back, in `ms`)
@@ -411,14 +412,16 @@ def _runtime_terms(
     spread = ((alone.max() - alone.min()) / (2.0 * alone.median())).to_dict()
     terms["spread"] = {name: _round(float(s)) for name, s in spread.items() if alone.size()[name] > 1}
     # each probe's median over its runs (and over several profiles taken together)
-    probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)["ms"].median()
+    probes = probes.assign(misses=probes["rows"] / probes["calls"].clip(lower=1))  # a GPU tier's, per batch
+    probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)[["ms", "misses"]].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
     fitted: dict[str, Any] = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),
               "call_ms": {r["name"]: 0.0 for r in problem["resources"]},
               **{k: terms[k] for k in ("gpu_table", "gpu_table_ms_per_row", "gpu_miss_ms_per_row") if k in terms}}  # fmt: skip
 
     def explained_ms(row: Any) -> tuple[float, float]:
-        """(the probe plan's loop ms, of it the layers' compute) under the terms fitted so far."""
+        """(the probe plan's loop ms, of it the layers' compute) under the terms fitted so far, with the
+        cold misses of its GPU tier (rows met for the first time: a long run's are priced by its hit rate)."""
         split = layer_names.index(row["layer"]) + 1
         caller = row["peer"] or row["resource"]
         assignment = [caller] * split + [row["resource"]] * (len(layer_names) - split)
@@ -427,7 +430,10 @@ def _runtime_terms(
         limits = model.evaluate(assignment, [1] * len(stages), 1).runtime
         assert limits is not None
         compute = sum(float(model.compute_ms[start:end, t].sum()) for start, end, t in stages)
-        return limits.loop_ms, compute
+        cold = 0.0
+        if limits.table.place != "ps":
+            cold = float(row["misses"]) * fitted.get("gpu_miss_ms_per_row", {}).get(caller, 0.0)
+        return limits.loop_ms + cold, compute
 
     for _, row in probes[probes["peer"] == ""].iterrows():
         explained, compute = explained_ms(row)

@@ -22,7 +22,8 @@ between them), and a run that the profile saw other work beside is taken again
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
-ends in `layer` (the last layer of the first stage). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted layers,
+ends in `layer` (the last layer of the first stage), and the lookups its GPU tier missed over its
+`calls` steady batches in `rows` (a short run from an empty tier misses far more than a long one). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted layers,
 bytes and input explain; the remainder is the term.
 
 This module says what to probe and runs the profile's probe phase (:func:`probe_runs`, called by
@@ -35,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from heterps_ray.config import JobConfig
 from heterps_ray.data.layout import is_dataset
@@ -46,13 +47,24 @@ from heterps_ray.profiling.rows import Row
 if TYPE_CHECKING:
     from heterps_ray.profiling.profiler import ProfileSettings
 
-# (job, layers, caller type, callee type, split, steps) -> steady ms per batch of that sync plan
-ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], float]
+
+class ProbeTiming(NamedTuple):
+    """What one probe measured: its plan's steady ms per batch, and over those `batches` the `misses`
+    of its GPU tier (key lookups of rows not yet in GPU memory: the probe starts with none there)."""
+
+    ms: float
+    misses: int = 0
+    batches: int = 0
+
+
+# (job, layers, caller type, callee type, split, steps) -> what that sync plan's steady batches took
+ProbeRunner = Callable[[JobConfig, list[str], str, str, int, int], ProbeTiming]
 
 
 class ProbeSkipped(Exception):
     """A runner's refusal of a probe that the cluster cannot run (its actors and PS shard exceed a type's
     max_instances): :func:`probe_runs` notes it as not measured and goes on with the others."""
+
 
 PROBE_STEPS = 0  # batches per probe; 0: the warm-up chunk and one of the dataset's read chunks (probe_steps)
 # A probe's steady batches last about this long (s) where 100 of them would last longer: on a slow type at
@@ -90,7 +102,9 @@ def batch_ms_of(rows: list[Row], batch_size: int) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for name in {r.resource for r in rows if r.kind == "stage"}:
-        timed = [(r.batch_size, r.ms) for r in rows if r.kind == "stage" and r.resource == name and r.ms == r.ms]
+        timed = [
+            (r.batch_size, r.ms) for r in rows if r.kind == "stage" and r.resource == name and r.ms == r.ms
+        ]
         sizes = np.array([b for b, _ in timed], dtype=float)
         ms = np.array([m for _, m in timed], dtype=float)
         if len(set(sizes)) > 1:
@@ -186,7 +200,9 @@ def probe_runs(
             bar.set_postfix_str(label)
             try:
                 with OtherWork() as background:
-                    ms = run_probe(job, layers, caller, callee, split, steps_of(caller, callee))
+                    ms, misses, batches = run_probe(
+                        job, layers, caller, callee, split, steps_of(caller, callee)
+                    )
             except ProbeSkipped as skipped:
                 line = f"runtime probe {label}: {skipped}"
                 if unmeasured is not None and line not in unmeasured:
@@ -196,7 +212,7 @@ def probe_runs(
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
             row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
-                      repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
+                      rows=misses, calls=max(batches, 1), repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
             out.append(row)
             bar.update()
             if not callee and extra > 0 and background.cores > settings.probe_background:
