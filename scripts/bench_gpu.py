@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="results JSON (default: workdir/bench_gpu.json)"
     )
     parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (train + eval)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="default: 2048 8192 (64 128 with --tiny)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the systems (alternating order)")
     parser.add_argument(
         "--plain-steps", type=int, default=300, help="timed batches of the plain loop, table on the GPU"
@@ -58,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         "--plain-cpu-steps", type=int, default=100, help="timed batches of it with the table on the CPU"
     )
     parser.add_argument("--gpu-type", default="h200", help="name of the cuda resource type")
-    parser.add_argument("--gpu-cpus", type=float, default=6.0, help="CPUs a GPU actor asks Ray for")
+    # 2 (as ../shared/gpu/h200-2026-12-04/h200.yaml): at 6, the profile's actors of both types (2 roles
+    # each) left no 4 CPUs of the 16 for its PS probe's shard, which waited 120 s for them (2026-12-04)
+    parser.add_argument("--gpu-cpus", type=float, default=2.0, help="CPUs a GPU actor asks Ray for")
+    parser.add_argument(
+        "--readers", type=int, default=6, help="threads converting the GPU DataWorker's data (runtime.readers)"
+    )
     parser.add_argument("--cpu-cores", type=int, default=4, help="cores of one actor of the cpu type")
     parser.add_argument("--systems", nargs="+", default=["plain_gpu", "heterps", "plain_cpu"])
     parser.add_argument("--tiny", action="store_true", help="CI: tiny model and data (CPU)")
@@ -76,13 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.tiny:
-        args.rows, args.batch_sizes, args.plain_steps, args.plain_cpu_steps, args.min_samples = (
-            6_000,
-            [64, 128],
-            20,
-            20,
-            0,
-        )
+        args.rows, args.plain_steps, args.plain_cpu_steps, args.min_samples = 6_000, 20, 20, 0
+    args.batch_sizes = args.batch_sizes or ([64, 128] if args.tiny else [2048, 8192])
     args.quick_profile = (args.quick_profile or args.tiny) and not args.full_profile
     args.workdir = args.workdir.resolve()
     out = (args.out or args.workdir / "bench_gpu.json").resolve()
@@ -142,7 +144,8 @@ def _job(args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
     gpu = {
         "name": args.gpu_type,
         "device": "cuda",
-        "price_per_hour": 4.10,
+        # tiny: cheaper than the cpu type, so that the plan (floor 0) runs on it through the GPU tier
+        "price_per_hour": 0.05 if tiny else 4.10,
         "max_instances": 1,
         "ray_resources": {"CPU": 0.5 if tiny else args.gpu_cpus},
         "num_gpus": 1,
@@ -154,20 +157,21 @@ def _job(args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
     cpu = {"name": "cpu", "device": "cpu", "price_per_hour": 0.17, "max_instances": 2 if tiny else 3,
            "ray_resources": {"CPU": 0.5 if tiny else args.cpu_cores}, "torch_threads": 1 if tiny else args.cpu_cores,
            "bandwidth_gbps": 10, "io_bandwidth_gbps": 4, "latency_ms": 0.2}  # fmt: skip
+    epochs = max(1, -(-args.min_samples // int(args.rows * 0.9)))
     return {
         "name": f"bench-gpu-{batch_size}",
         "model": TINY_MODEL if tiny else MODEL,
         "cluster": {"name": "gpu-box", "resource_types": [cpu, gpu], "ps": {"resource": "cpu"}},
         "data": {"path": str(args.workdir / "data"), "synth_rows": args.rows},
         "batch_size": batch_size,
-        "samples": 100_000_000,
+        "samples": epochs * int(args.rows * 0.9),  # what a run trains (its cold misses priced over it)
         "throughput_min": 0 if tiny else 60_000,
         "mode": "sync",
         "scheduler": "exact",
         "output_dir": str(args.workdir / f"run-{batch_size}"),
         "seed": 0,
         # a run long enough for its steady rate (several chunks after the warm-up one)
-        "runtime": {"epochs": max(1, -(-args.min_samples // int(args.rows * 0.9)))},
+        "runtime": {"epochs": epochs, "readers": 1 if tiny else args.readers},
     }
 
 

@@ -207,7 +207,7 @@ def test_the_profile_prices_the_gpu_tier_and_the_plan_says_where_the_table_lives
     rows held, and for rows taken and given back) and the rows its memory holds; the model prices a plan
     on it with the rows there, each row's first lookup from the shards, and the printed plan says so
     instead of a shard actor's rate. Its one-stage probe starts from an empty tier and counts the cold
-    misses of its steady batches, for the fit to price apart (test_fit.py)."""
+    misses (rows fetched from the shards) of its steady batches, for the fit to price apart (test_fit.py)."""
     from heterps_ray.closedloop.probes import profile_job
     from heterps_ray.costmodel import CostModel, problem_from_dict
     from heterps_ray.profiling.profiler import ProfileSettings
@@ -226,6 +226,8 @@ def test_the_profile_prices_the_gpu_tier_and_the_plan_says_where_the_table_lives
     on_gpu = CostModel(problem).evaluate([GPU] * 4, [1], 1)
     assert on_gpu.runtime is not None and on_gpu.runtime.table.place == "gpu"
     probe = fitted.measurements.query(f"kind == 'probe' and resource == '{GPU}' and peer == ''").iloc[0]
-    assert probe["rows"] > 0 and probe["calls"] == 24 - PROBE_WARMUP  # its tier's misses, steady batches
+    assert (
+        probe["rows"] > 0 and probe["calls"] == 24 - PROBE_WARMUP
+    )  # its tier's fetched rows, steady batches
     shown = Plan.from_evaluation(problem, on_gpu, "manual").table()
     assert "GPU memory (all rows)" in shown and "(parameter server)" not in shown

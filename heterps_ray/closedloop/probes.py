@@ -61,7 +61,7 @@ def run_probe(
     job: JobConfig, layers: list[str], caller: str, callee: str, split: int, steps: int = PROBE_STEPS
 ) -> ProbeTiming:
     """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`,
-    and the lookups its GPU tier missed over those batches; ProbeSkipped where its actors and PS shard
+    and the rows its GPU tier fetched from the shards over those batches; ProbeSkipped where its actors and PS shard
     exceed a type's max_instances (train would refuse it)."""
     stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
     if split < len(layers):
@@ -96,12 +96,12 @@ def run_probe(
         check_capacity(specs, int(plan.ps_shards), job.cluster)
     except ConfigError as exc:
         raise ProbeSkipped(f"{exc.expected}: it needs {exc.got}") from None
-    warmed: list[tuple[int, int]] = []  # (step, tier misses) at the end of the warm-up chunk
+    warmed: list[tuple[int, int]] = []  # (step, rows the GPU tier fetched) at the end of the warm-up chunk
 
     def after_warmup(live: LiveActors) -> None:
         if not warmed:
             stats = ray.get([w.table_stats.remote() for w in live.data_workers])
-            warmed.append((live.step, sum(int(s.get("misses", 0)) for s in stats)))
+            warmed.append((live.step, sum(int(s.get("fetched", 0)) for s in stats)))
 
     summary = train(
         probe_job,
@@ -116,9 +116,9 @@ def run_probe(
     rate = summary.steady_throughput or summary.throughput
     # a probe starts with an empty GPU tier: its steady batches still meet keys for the first time (cold
     # misses a long run amortizes); the fit prices them apart instead of into the layers
-    misses, batches = 0, 0
+    fetched, batches = 0, 0
     table = summary.extra.get("table", {})
-    if warmed and "misses" in table:
+    if warmed and "fetched" in table:
         batches = summary.steps - warmed[0][0]
-        misses = int(table["misses"]) - warmed[0][1]
-    return ProbeTiming(1000.0 * job.batch_size / rate, misses, batches)
+        fetched = int(table["fetched"]) - warmed[0][1]
+    return ProbeTiming(1000.0 * job.batch_size / rate, fetched, batches)

@@ -45,7 +45,7 @@ from heterps_ray.ps.atomic import write_bytes_atomic
 #             as much, 4 in flight, received by an actor of `resource` in `ms`: its own work per call),
 #             "stage" (the whole model fwd+bwd as one module with one optimizer step, as "layer"),
 #             "probe" (a runtime probe, probes.py: its plan's steady ms per batch in `ms`; its GPU
-#             tier's misses over its `calls` steady batches in `rows`),
+#             tier's rows fetched from the shards over its `calls` steady batches in `rows`),
 #             "probe_disturbed" (a one-stage probe run taken again: other work ran beside it; not fitted),
 #             "gpu_table" (the GPU tier of a cuda type: `rows` key rows of batches it held, in `ms`),
 #             "gpu_miss" (`rows` rows it fetched from a shard and wrote back, in `ms`)
@@ -412,8 +412,10 @@ def _runtime_terms(
     spread = ((alone.max() - alone.min()) / (2.0 * alone.median())).to_dict()
     terms["spread"] = {name: _round(float(s)) for name, s in spread.items() if alone.size()[name] > 1}
     # each probe's median over its runs (and over several profiles taken together)
-    probes = probes.assign(misses=probes["rows"] / probes["calls"].clip(lower=1))  # a GPU tier's, per batch
-    probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)[["ms", "misses"]].median()
+    probes = probes.assign(fetched=probes["rows"] / probes["calls"].clip(lower=1))  # a GPU tier's, per batch
+    probes = probes.groupby(["resource", "peer", "layer"], as_index=False, sort=False)[
+        ["ms", "fetched"]
+    ].median()
     layer_names = [layer["name"] for layer in problem["layers"]]
     fitted: dict[str, Any] = {"mode": "sync", "ps_wait_ms_per_row": terms.get("ps_wait_ms_per_row", 0.0),
               "call_ms": {r["name"]: 0.0 for r in problem["resources"]},
@@ -421,7 +423,8 @@ def _runtime_terms(
 
     def explained_ms(row: Any) -> tuple[float, float]:
         """(the probe plan's loop ms, of it the layers' compute) under the terms fitted so far, with the
-        cold misses of its GPU tier (rows met for the first time: a long run's are priced by its hit rate)."""
+        cold misses of its GPU tier (the rows it fetched, met for the first time: a long run's are priced by
+        its hit rate)."""
         split = layer_names.index(row["layer"]) + 1
         caller = row["peer"] or row["resource"]
         assignment = [caller] * split + [row["resource"]] * (len(layer_names) - split)
@@ -432,7 +435,7 @@ def _runtime_terms(
         compute = sum(float(model.compute_ms[start:end, t].sum()) for start, end, t in stages)
         cold = 0.0
         if limits.table.place != "ps":
-            cold = float(row["misses"]) * fitted.get("gpu_miss_ms_per_row", {}).get(caller, 0.0)
+            cold = float(row["fetched"]) * fitted.get("gpu_miss_ms_per_row", {}).get(caller, 0.0)
         return limits.loop_ms + cold, compute
 
     for _, row in probes[probes["peer"] == ""].iterrows():

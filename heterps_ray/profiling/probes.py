@@ -22,9 +22,10 @@ between them), and a run that the profile saw other work beside is taken again
 
 Each probe is one measurement row (kind ``probe``): the plan's steady ms per batch, the callee type
 in `resource` (empty for the one-stage probe), the caller in `peer`, the layer where the second stage
-ends in `layer` (the last layer of the first stage), and the lookups its GPU tier missed over its
-`calls` steady batches in `rows` (a short run from an empty tier misses far more than a long one). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted layers,
-bytes and input explain; the remainder is the term.
+ends in `layer` (the last layer of the first stage), and the rows its GPU tier fetched from the shards
+(first lookups) over its `calls` steady batches in `rows` (a short run from an empty tier fetches far
+more a batch than a long one). :func:`heterps_ray.profiling.fit.fit_problem` subtracts what the fitted
+layers, bytes, input and fetched rows explain; the remainder is the term.
 
 This module says what to probe and runs the profile's probe phase (:func:`probe_runs`, called by
 profiler.py after the layer timings). Running one probe trains with the runtime, which sits above
@@ -49,11 +50,11 @@ if TYPE_CHECKING:
 
 
 class ProbeTiming(NamedTuple):
-    """What one probe measured: its plan's steady ms per batch, and over those `batches` the `misses`
-    of its GPU tier (key lookups of rows not yet in GPU memory: the probe starts with none there)."""
+    """What one probe measured: its plan's steady ms per batch, and over those `batches` the rows its GPU
+    tier `fetched` from the shards (rows looked up for the first time: the probe starts with none there)."""
 
     ms: float
-    misses: int = 0
+    fetched: int = 0
     batches: int = 0
 
 
@@ -200,7 +201,7 @@ def probe_runs(
             bar.set_postfix_str(label)
             try:
                 with OtherWork() as background:
-                    ms, misses, batches = run_probe(
+                    ms, fetched, batches = run_probe(
                         job, layers, caller, callee, split, steps_of(caller, callee)
                     )
             except ProbeSkipped as skipped:
@@ -212,7 +213,7 @@ def probe_runs(
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
             row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
-                      rows=misses, calls=max(batches, 1), repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
+                      rows=fetched, calls=max(batches, 1), repeat=rep, ms=ms, client_ms=background.cpu_ms)  # fmt: skip
             out.append(row)
             bar.update()
             if not callee and extra > 0 and background.cores > settings.probe_background:
