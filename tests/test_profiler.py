@@ -4,6 +4,7 @@ result is a valid problem file with every layer on both local types, plus the ra
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -68,6 +69,9 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     assert used["started"] <= 4 and used["reused"] >= 8, used
 
     problem = load_problem(output)
+    # where the probe phase's time went: the runs' training loops, and the rest (start, first read, stop)
+    (probe_note,) = [line for line in (problem.notes or "").splitlines() if line.startswith("runtime probes:")]
+    assert re.fullmatch(r"runtime probes: ([6-9]|10) runs in [\d.]+ s, [\d.]+ s of it in their training .*", probe_note)
     assert problem.layer_names == [layer.name for layer in spec.layers]
     assert problem.type_names == ["cpu_small", "cpu_big"]
     for layer in problem.layers:

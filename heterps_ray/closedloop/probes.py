@@ -121,4 +121,4 @@ def run_probe(
     if warmed and "fetched" in table:
         batches = summary.steps - warmed[0][0]
         fetched = int(table["fetched"]) - warmed[0][1]
-    return ProbeTiming(1000.0 * job.batch_size / rate, fetched, batches)
+    return ProbeTiming(1000.0 * job.batch_size / rate, fetched, batches, summary.seconds)

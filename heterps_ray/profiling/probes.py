@@ -35,6 +35,7 @@ profiling: the runner is passed in (:data:`ProbeRunner`; heterps_ray.closedloop.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -56,6 +57,7 @@ class ProbeTiming(NamedTuple):
     ms: float
     fetched: int = 0
     batches: int = 0
+    train_s: float = 0.0  # of the probe's wall time, its training loop (the rest: start, first read, stop)
 
 
 # (job, layers, caller type, callee type, split, steps) -> what that sync plan's steady batches took
@@ -191,6 +193,7 @@ def probe_runs(
         job = job.model_copy(update={"data": job.data.model_copy(update={"path": path})})
     plans = probe_plans(job, layers, types, settings.probe_repeats)
     bar = tqdm(total=len(plans), desc="runtime probes", unit="probe", disable=not settings.progress)
+    started, training = time.perf_counter(), 0.0
     try:
         out: list[Row] = []
         runs: dict[tuple[str, str, int], int] = {}
@@ -201,7 +204,7 @@ def probe_runs(
             bar.set_postfix_str(label)
             try:
                 with OtherWork() as background:
-                    ms, fetched, batches = run_probe(
+                    ms, fetched, batches, train_s = run_probe(
                         job, layers, caller, callee, split, steps_of(caller, callee)
                     )
             except ProbeSkipped as skipped:
@@ -210,6 +213,7 @@ def probe_runs(
                     unmeasured.append(line)
                 bar.update()
                 continue
+            training += train_s
             resource, peer = (callee, caller) if callee else (caller, "")
             rep = runs.get((caller, callee, split), -1) + 1
             row = Row("probe", resource, peer=peer, layer=layers[split - 1], batch_size=job.batch_size,
@@ -232,6 +236,9 @@ def probe_runs(
                     queue.append((name, "", len(layers)))
                     extra -= 1
                     bar.total += 1
+        took = time.perf_counter() - started
+        notes.append(f"runtime probes: {len(out)} runs in {took:.1f} s, {training:.1f} s of it in their training "
+                     "loops (the rest starts each run, reads its first chunk and stops it)")  # fmt: skip
         return out
     finally:
         bar.close()
