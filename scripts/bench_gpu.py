@@ -281,6 +281,7 @@ def _heterps(
         "samples": summary["samples"],
         "train_seconds": summary["seconds"],
         "data_wait_s": summary["extra"].get("data_wait_s"),  # blocked on the reader / on gradients
+        "data_phases_s": summary["extra"].get("data_phases_s"),  # its training thread: read, pull, compute, ...
     }  # fmt: skip
     return run, problem or Path(report.output_dir) / "problem.yaml"
 

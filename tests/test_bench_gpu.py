@@ -43,6 +43,10 @@ def test_the_gpu_bench_runs_tiny_with_heterps_table_in_the_gpu_tier(tmp_path):
         assert table["misses"] >= table["fetched"] > 0 and table["evicted"] == 0, table
         assert 0.5 < table["hit_rate"] < 1.0, table
         assert run["samples"] > 0 and run["predicted"] > 0
+        # where the DataWorker's batches went: its training thread's time by phase, within its training
+        (phases,) = run["data_phases_s"]
+        assert {"read", "pull", "compute", "push", "step"} <= set(phases), phases
+        assert 0 < sum(phases.values()) <= run["train_seconds"] * 1.05 + 0.05, (phases, run["train_seconds"])
     row = results["summary"]["64"]
     assert set(row["median"]) == {"plain_gpu", "plain_cpu", "heterps"}
     assert row["heterps_over_plain_gpu"] > 0 and row["heterps_over_plain_cpu"] > 0

@@ -308,11 +308,13 @@ class ActorSet:
         ]
         return [ray.get(r) for r in refs]
 
-    def data_wait(self) -> dict[str, list[float]]:
+    def data_wait(self) -> dict[str, Any]:
         """Seconds each DataWorker spent blocked: on gradients coming back (pipeline bubbles, "gradients")
-        and on its reader thread (the input, "reader")."""
+        and on its reader thread (the input, "reader"); and where its training thread's time went, by
+        phase ("phases": read, pull, compute, push, step, wait; worker_base.PhaseClock)."""
         stats = ray.get([w.stats.remote() for w in self.data_workers])
-        return {"gradients": [s["wait_s"] for s in stats], "reader": [s["read_wait_s"] for s in stats]}
+        return {"gradients": [s["wait_s"] for s in stats], "reader": [s["read_wait_s"] for s in stats],
+                "phases": [{k: round(v, 3) for k, v in s["phase_s"].items()} for s in stats]}  # fmt: skip
 
     def flush_tables(self) -> None:
         """Rows changed in the DataWorkers' GPU memory back on the PS shards (before a snapshot of the

@@ -226,7 +226,8 @@ def train(
             extra={
                 "chunks": history["chunks"],
                 "floor_check": history["floor_check"],  # with train(floor=...): the steady rate checked
-                "data_wait_s": data_wait,
+                "data_wait_s": {k: data_wait[k] for k in ("gradients", "reader")},
+                "data_phases_s": data_wait["phases"],  # each DataWorker's training thread, by phase
                 "faults": [asdict(f) for f in recovery.faults],
                 "restarts": recovery.restarts,
                 "max_restarts": job.runtime.max_restarts,

@@ -5,6 +5,8 @@ worker answers alike (:class:`StageActor`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +90,29 @@ class Busy:
     @property
     def fraction(self) -> float:
         return self.busy_s / max(time.perf_counter() - self.started, 1e-9)
+
+
+class PhaseClock:
+    """Wall seconds a worker's training thread spent in each phase of its batches (``with clock("pull"):``),
+    each exclusive of the phases nested in it: where a batch's time goes (on a GPU, what the thread waits
+    for or launches; kernels run behind it)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._nested: list[float] = []  # per open phase: the seconds of the phases inside it
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self._nested.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - t0
+            inner = self._nested.pop()
+            self.seconds[name] = self.seconds.get(name, 0.0) + took - inner
+            if self._nested:
+                self._nested[-1] += took
 
 
 class StageActor(Reusable, ProfilingHost):

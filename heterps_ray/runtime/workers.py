@@ -35,6 +35,7 @@ from heterps_ray.runtime.stage_worker import StageWorker
 from heterps_ray.runtime.worker_base import (
     Busy,
     Metrics,
+    PhaseClock,
     StageActor,
     WorkerSettings,
     placement,
@@ -139,6 +140,7 @@ class DataWorker(StageActor):
         self.downstream = downstream  # replicas of stages 1..S-1
         self.hosted: list[PSShard] = []
         self._busy = Busy()
+        self._clock = PhaseClock()
         self.sparse = sparse_link(
             self._ps_client(shards), index, data.workers, generation, self.device, data.table, data.gpu_rows
         )
@@ -191,7 +193,8 @@ class DataWorker(StageActor):
         exhausted = False
         for _ in range(steps):
             t_read = time.perf_counter()
-            item = next(self._batches, None)
+            with self._clock("read"):
+                item = next(self._batches, None)
             self._read_wait_s += time.perf_counter() - t_read
             if item is None:
                 exhausted = True
@@ -278,7 +281,8 @@ class DataWorker(StageActor):
         size = len(batch["label"])
         k = self.data.micro_batches
         mb = size // k
-        self.schedule.start_batch(batch["keys"], prepared, self._batch_index)
+        with self._clock("pull"):
+            self.schedule.start_batch(batch["keys"], prepared, self._batch_index)
         for j in range(k):
             part = slice(j * mb, (j + 1) * mb)
             grad_scale, step = self.schedule.micro_batch(mb, size, last=j == k - 1)
@@ -297,7 +301,8 @@ class DataWorker(StageActor):
             )
             self._counter += 1
             self._submit(item)
-        self.schedule.end_batch(self, self._batch_index)
+        with self._clock("push"):  # sync: the batch's push, after the micro-batches in flight finish
+            self.schedule.end_batch(self, self._batch_index)
         self._batch_index += 1
 
     # -- the in-flight window --------------------------------------------------------------------
@@ -335,8 +340,9 @@ class DataWorker(StageActor):
             self._finish(self._bwd_q.popleft())
 
     def _forward(self, item: _MicroBatch) -> None:
-        with self._busy:
-            rows = self.schedule.rows(item.keys, item.rows, item.prepared, item.batch)
+        with self._busy, self._clock("compute"):
+            with self._clock("pull"):
+                rows = self.schedule.rows(item.keys, item.rows, item.prepared, item.batch)
             item.emb = rows.detach().requires_grad_(True)
             dense = _on(self.device, item.dense)
             item.stash = self.compute.forward((dense, item.emb), backward_next=not self.downstream)
@@ -368,15 +374,18 @@ class DataWorker(StageActor):
         assert item.stash is not None
         if self.downstream:
             t0 = time.perf_counter()
-            grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
+            with self._clock("wait"):
+                grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
             self._wait_s += time.perf_counter() - t0
-            with self._busy:
+            with self._busy, self._clock("compute"):
                 self.compute.backward(item.stash, grads)
         with self._busy:
             assert item.emb is not None and item.loss is not None
             if item.emb.grad is not None:
-                self.schedule.gradient(item.keys, item.rows, item.emb.grad.detach(), item.batch)
-            self.compute.step(item.step)
+                with self._clock("push"):
+                    self.schedule.gradient(item.keys, item.rows, item.emb.grad.detach(), item.batch)
+            with self._clock("step"):
+                self.compute.step(item.step)
         self._done.append((item.batch, item.loss * item.loss_weight))
         item.emb, item.stash = None, None
         self._metrics.samples.inc(len(item.label))
@@ -426,6 +435,7 @@ class DataWorker(StageActor):
             "busy_s": self._busy.busy_s,
             "wait_s": self._wait_s,
             "read_wait_s": self._read_wait_s,
+            "phase_s": dict(self._clock.seconds),
             "samples": self._samples,
             "peak_pending": self._peak_in_flight,
         }
