@@ -65,7 +65,14 @@ def connect(
 # here, and a 2-thread torch actor that the scheduler keeps pre-empting stalls at every OpenMP barrier.
 # Activations and gradients of a batch (0.5 MB for CTR-DNN at 512) travel inline in the call, core worker
 # to core worker, instead of through the object store, where each costs the raylet ~2 ms of CPU.
-SYSTEM_CONFIG = {"worker_niceness": 0, "max_direct_call_object_size": 4 << 20}
+# task_events_max_num_task_in_gcs: the GCS keeps each actor call's events for the dashboard, up to 100k
+# calls by default (~250 MiB at ~2.5 KB each, reached in minutes by a pipeline's calls: the soak saw its
+# RSS climb 85 MiB a minute, BENCHMARKS.md "The soak"); the newest 10k are as useful there
+SYSTEM_CONFIG = {
+    "worker_niceness": 0,
+    "max_direct_call_object_size": 4 << 20,
+    "task_events_max_num_task_in_gcs": 10_000,
+}
 
 
 def init_kwargs(

@@ -6,7 +6,8 @@ median (issue 29: three profiles taken one after another should agree within ±5
 or take them: `--take 3 --job JOB --out DIR` runs three ``heterps profile``s one after another (each
 its own process, like a user's) and, before the first and after each, the plain one-process loop on
 the job's data with 2 torch threads (what a one-stage plan on a 2-thread type computes): the
-machine's own speed beside each profile. Where the profiles disagree and the references moved with
+machine's own speed beside each profile. The repeatability figure (issue 41) is each price divided by
+the reference taken just before its profile: within ±5% of their median on each type. Where the profiles disagree and the references moved with
 them, the machine moved (BENCHMARKS.md, issue 29: "Why cpu_big's price moves between profiles").
 
     python scripts/price_one_stage.py --take 3 --job configs/jobs/quickstart.yaml --out /tmp/take
@@ -84,6 +85,14 @@ def report(paths: list[str], references: list[float]) -> None:
             f"{name}: {shown} samples/s; median {median:,.0f}, "
             f"{min(values) / median - 1:+.1%} .. {max(values) / median - 1:+.1%}; profiles' own spread {own}"
         )
+    if len(references) >= len(paths):  # repeatability against the host: each price over the loop just before it
+        for name, values in prices.items():
+            ratios = [v / r for v, r in zip(values, references, strict=False)]
+            middle = statistics.median(ratios)
+            print(
+                f"{name} price / reference before it: " + ", ".join(f"{x:.4f}" for x in ratios)
+                + f"; {min(ratios) / middle - 1:+.1%} .. {max(ratios) / middle - 1:+.1%} of their median"
+            )  # fmt: skip
     if len(references) == len(paths) + 1:  # a profile's machine: the mean of the references either side
         beside = [(a + b) / 2 for a, b in zip(references, references[1:], strict=False)]
         middle = statistics.median(beside)

@@ -259,8 +259,12 @@ def test_embedded_ray_keeps_the_dashboard_off_and_on_loopback():
     assert kwargs["address"] == "local" and kwargs["include_dashboard"] is False
     assert kwargs["dashboard_host"] == DASHBOARD_HOST == "127.0.0.1"
     assert kwargs["resources"] == {"cpu_small": 4.0, "cpu_big": 2.0}
-    # only scheduling and transfer settings, nothing that could switch authentication off
-    assert set(kwargs["_system_config"]) == {"worker_niceness", "max_direct_call_object_size"}
+    # only scheduling, transfer and GCS memory settings, nothing that could switch authentication off
+    assert set(kwargs["_system_config"]) == {
+        "worker_niceness",
+        "max_direct_call_object_size",
+        "task_events_max_num_task_in_gcs",
+    }
     asked = init_kwargs(CLUSTER, dashboard=True, dashboard_host="0.0.0.0")
     assert asked["include_dashboard"] is True and asked["dashboard_host"] == "0.0.0.0"
     assert init_kwargs(CLUSTER, "ray://head:10001") == {
