@@ -248,15 +248,23 @@ def _run(job: Path, out: Path, faults_every_s: float | None, args: argparse.Name
 
 
 def _setbacks(records: list[dict[str, Any]], t0: float, step_s: float) -> list[dict[str, Any]]:
-    """Each time the run went back (a recovery rolled it back to a checkpoint, or a resumed driver
-    started from one), from the progress records: when it stood at its furthest batch before (seconds
-    from t0), the batch it went back to, and the seconds it lost: until it passed that furthest batch
-    again, less the time (`step_s` a batch, undisturbed) the batches beyond it took."""
+    """Each time the run was set back, from the progress records (one per chunk boundary): a recovery
+    rolled it back to a checkpoint, a resumed driver started from one, or a chunk boundary came far
+    later than the chunks around it (a recovery whose replay already passed the furthest batch). For
+    each: when it stood at its furthest batch before (seconds from t0), where it went back to, and the
+    seconds it lost: until it passed that furthest batch again, less the time (`step_s` a batch,
+    undisturbed) the batches beyond it took."""
+    gaps = [
+        b["t"] - a["t"] for a, b in zip(records, records[1:], strict=False) if b.get("pid") == a.get("pid")
+    ]
+    slow = max(3.0, 4.0 * statistics.median(gaps)) if gaps else float("inf")
     out: list[dict[str, Any]] = []
-    furthest, stood, waiting, pid = 0, t0, False, None
+    furthest, stood, waiting, prev = 0, t0, False, None
     for rec in records:
-        back = rec["step"] <= furthest or (pid is not None and rec.get("pid") != pid)
-        pid = rec.get("pid")
+        back = prev is not None and (
+            rec["step"] <= furthest or rec.get("pid") != prev.get("pid") or rec["t"] - prev["t"] > slow
+        )
+        prev = rec
         if back and not waiting:
             waiting = True
             out.append(
@@ -276,11 +284,11 @@ def _setbacks(records: list[dict[str, Any]], t0: float, step_s: float) -> list[d
 
 
 def _pair(faults: list[dict[str, Any]], setbacks: list[dict[str, Any]]) -> None:
-    """Each fault with the first setback after it (an armed actor dies within its next chunk; a killed
-    driver's last record is at most a chunk before the kill)."""
+    """Each fault with the first setback within a minute of it (an armed actor dies within its next
+    chunk; a killed driver's last record is at most a chunk before the kill)."""
     free = list(setbacks)
     for fault in faults:
-        match = next((b for b in free if b["stood_s"] >= fault["t"] - 15.0), None)
+        match = next((b for b in free if fault["t"] - 15.0 <= b["stood_s"] <= fault["t"] + 60.0), None)
         if match is not None:
             free.remove(match)
             fault.update(match)
