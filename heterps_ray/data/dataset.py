@@ -116,8 +116,10 @@ class Dataset:
                 _open_part(f)
         return self
 
-    def num_rows(self, split: str) -> int:
-        return sum(_parquet_file(f).metadata.num_rows for f in self.files(split))
+    def num_rows(self, split: str, files: list[Path] | None = None) -> int:
+        """Rows of ``split`` (or of ``files``), from the Parquet metadata."""
+        chosen = self.files(split) if files is None else [Path(f) for f in files]
+        return sum(_parquet_file(f).metadata.num_rows for f in chosen)
 
     def load(self, split: str, files: list[Path] | None = None) -> Batch:
         """All rows of ``split`` (or of ``files``, in that order) as one in-memory Batch."""
@@ -133,14 +135,17 @@ class Dataset:
         files: list[Path] | None = None,
         drop_last: bool = True,
         workers: int = 1,
+        skip: int = 0,
     ) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows in deterministic order; a batch may span two files.
         `workers` > 1: that many threads convert the read chunks (key hashing and the dense transform
-        release the GIL), up to `workers` chunks ahead; the batches are the same."""
+        release the GIL), up to `workers` chunks ahead; the batches are the same. `skip`: start at batch
+        `skip`, its rows before it neither converted nor read where the files' metadata can skip them
+        (a resume deep into an epoch of millions of rows must not convert them all again)."""
         if batch_size < 1:
             raise DataError(f"batch_size: expected a positive integer, got {batch_size}")
         rest: Batch | None = None
-        for chunk in self._converted(split, files, workers):
+        for chunk in self._converted(split, files, workers, skip * batch_size):
             if rest is not None:
                 chunk = {k: np.concatenate([rest[k], chunk[k]]) for k in chunk}
             n = len(chunk["label"])
@@ -151,24 +156,39 @@ class Dataset:
         if rest is not None and not drop_last:
             yield rest
 
-    def _converted(self, split: str, files: list[Path] | None, workers: int) -> Iterator[Batch]:
+    def _converted(
+        self, split: str, files: list[Path] | None, workers: int, skip_rows: int = 0
+    ) -> Iterator[Batch]:
         """Each read chunk as a Batch, in order, converted by `workers` threads."""
         if workers <= 1:
-            yield from (table_to_batch(table) for table in self._tables(split, files))
+            yield from (table_to_batch(table) for table in self._tables(split, files, skip_rows))
             return
         with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
             pending: deque[Future[Batch]] = deque()
-            for table in self._tables(split, files):
+            for table in self._tables(split, files, skip_rows):
                 pending.append(pool.submit(table_to_batch, table))
                 if len(pending) > workers:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
 
-    def _tables(self, split: str, files: list[Path] | None) -> Iterator[pa.Table]:
+    def _tables(self, split: str, files: list[Path] | None, skip_rows: int = 0) -> Iterator[pa.Table]:
+        """The raw rows in read chunks, from row `skip_rows` on: whole files and row groups before it
+        skipped by their metadata, the rest of the way sliced off unconverted."""
         for f in self.files(split) if files is None else [Path(f) for f in files]:
             parquet = _open_part(f)
-            for record_batch in parquet.iter_batches(batch_size=READ_ROWS, columns=COLUMNS):
+            if skip_rows >= parquet.metadata.num_rows:
+                skip_rows -= parquet.metadata.num_rows
+                continue
+            groups = list(range(parquet.num_row_groups))
+            while groups and 0 < parquet.metadata.row_group(groups[0]).num_rows <= skip_rows:
+                skip_rows -= parquet.metadata.row_group(groups.pop(0)).num_rows
+            for record_batch in parquet.iter_batches(batch_size=READ_ROWS, columns=COLUMNS, row_groups=groups):
+                if skip_rows >= record_batch.num_rows:
+                    skip_rows -= record_batch.num_rows
+                    continue
+                if skip_rows:
+                    record_batch, skip_rows = record_batch.slice(skip_rows), 0
                 yield pa.Table.from_batches([record_batch])
 
 

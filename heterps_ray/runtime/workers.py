@@ -259,16 +259,15 @@ class DataWorker(StageActor):
         files = [Path(f) for f in self.data.files]
 
         def batches() -> Iterator[dict[str, np.ndarray]]:
-            seen = 0
-            for _ in range(self.data.epochs):
-                for batch in dataset.iter_batches(
-                    "train", self.data.batch_size, files=files, drop_last=True, workers=self.data.readers
-                ):
-                    seen += 1
-                    if seen > skip:
-                        yield batch
-            if seen < skip:
+            # the batches before `skip` (a resume's position) are not read: whole epochs, then the rows of
+            # the epoch they end in, skipped by count (an epoch is its rows' whole batches)
+            per_epoch = dataset.num_rows("train", files) // self.data.batch_size
+            if skip > self.data.epochs * per_epoch:
                 raise ValueError(f"DataWorker {self.index}: its data has fewer than {skip} batches")
+            first, within = divmod(skip, per_epoch) if per_epoch else (0, 0)
+            for epoch in range(first, self.data.epochs):
+                yield from dataset.iter_batches("train", self.data.batch_size, files=files, drop_last=True,
+                                                workers=self.data.readers, skip=within if epoch == first else 0)  # fmt: skip
 
         def prepare(batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             if self.device.type == "cuda":  # pinned: copied to the GPU while the CPU goes on
