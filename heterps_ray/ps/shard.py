@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,15 +75,26 @@ class TableSpec:
     ttl: int = 0  # steps a row lives unseen (0: forever)
     max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
     evict: str = "lru"  # or "lfu"
+    ram_rows: int = 0  # with disk_dir: rows per shard in RAM, the rest on local disk (ps/disk_tier.py)
+    disk_dir: str = ""  # the disk tier's directory on each PS node (each shard and table a folder in it)
+
+    def for_shard(self, index: int, num_shards: int, table: str) -> TableSpec:
+        """This spec as one shard's table: its disk tier in a folder of its own."""
+        if not self.disk_dir:
+            return self
+        folder = Path(self.disk_dir) / f"shard-{index:05d}-of-{num_shards:05d}" / table
+        return replace(self, disk_dir=str(folder))
 
 
 def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
     """The TableSpec of a job's sparse table: the job's Adagrad settings and its ``table:`` section
     (admission, TTL in batches, each shard's memory cap as a row cap, eviction order)."""
     settings = job.table
-    max_rows = 0
+    max_rows = ram_rows = 0
     if settings.max_shard_mb:
         max_rows = max_rows_for(settings.max_shard_mb * 2**20, dim, admit_after=settings.admit_after)
+    if settings.disk_dir:
+        ram_rows = max_rows_for(settings.ram_mb * 2**20, dim, admit_after=settings.admit_after)
     return TableSpec(
         dim=dim,
         seed=job.seed,
@@ -94,6 +105,8 @@ def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
         ttl=settings.ttl_batches,
         max_rows=max_rows,
         evict=settings.evict,
+        ram_rows=ram_rows,
+        disk_dir=settings.disk_dir,
     )
 
 
@@ -168,7 +181,9 @@ class PSShard(Reusable):
     def __init__(self, index: int, num_shards: int, tables: dict[str, TableSpec]):
         self.index, self.num_shards = index, num_shards
         self._specs = dict(tables)
-        self._tables = {name: SparseTable(**asdict(spec)) for name, spec in tables.items()}
+        self._tables = {
+            name: SparseTable(**asdict(spec.for_shard(index, num_shards, name))) for name, spec in tables.items()
+        }
         self._dense: dict[str, _DenseTable] = {}
         self._counts = {
             "pulls": 0,

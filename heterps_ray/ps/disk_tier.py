@@ -1,0 +1,345 @@
+"""A sparse table's rows beyond its RAM budget, on local disk: the level below the row store.
+
+A :class:`~heterps_ray.ps.table.SparseTable` with a disk tier keeps at most ``ram_rows`` rows in its
+compiled row store (the RAM tier, the hot rows); the rest are records in one file on local disk,
+with their keys' index in memory (sorted arrays: 8 B key + 4 B slot + 1 B flag = 13 B a row on
+disk). Before a call is served, its keys that are on disk are read back into RAM (promoted), and,
+where RAM would pass its budget, the rows seen least recently (or least often, ``evict="lfu"``)
+leave for disk first (spilled), never a row the call itself uses. A row leaves and comes back as
+its exact bytes (key, pull count, last seen, weights, optimizer state), so training with a disk tier
+is bit for bit training with every row in RAM: where a row lives changes the time, not the values.
+
+Why an explicit RAM cache over a file of records, and not the row store's segments mapped from
+files with the page cache as the RAM tier, nor an embedded key-value store (BENCHMARKS.md "Tables",
+the disk tier): a 4 KiB page holds ~28 rows of dim 16, and on skewed keys nearly every page holds
+a hot row, so a page cache keeps almost the whole table resident; mapped pages also count in the
+process's RSS, which the budget is about. A row cache is exact at row granularity. SQLite (the
+embedded store in the standard library) read rows 10-30x slower than one pread each.
+
+The file is append-only: a spilled row is written at its end, and bytes once written are never
+changed. That is what lets a checkpoint hard-link the file instead of copying it (its index says
+which records are its rows; what is appended later is not), and a restore link it back. A promoted
+row's record stays in the file, no longer live; :meth:`DiskRows.compact` rewrites the live records
+into a new file when most of it is dead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from heterps_ray.ps._rows import pread_records
+
+# The file of a table's records in its directory; a compaction starts the next generation.
+_FILE = "rows.{generation}.dat"
+# Compact when the file holds this many times the live records (and at least this many records).
+_COMPACT_RATIO = 3.0
+_COMPACT_MIN_RECORDS = 1 << 16
+
+
+@dataclass
+class DiskStats:
+    """What the disk tier did, in the GPU tier's words (ps/device_table.TierStats): keys a call found
+    in RAM (hits) or on disk (misses, each a row read back), rows written to disk and evicted from
+    RAM (every evicted row is written back: a row's only copy is in one of the two)."""
+
+    hits: int = 0
+    misses: int = 0
+    written_back: int = 0
+    evicted: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else None
+
+
+def record_dtype(dim: int, acc_width: int) -> np.dtype:
+    """One record: the row store's row as it is in RAM (a tracked row: key, count, last seen, weights,
+    accumulators), so a row goes to disk and back as a copy of its bytes."""
+    return np.dtype([("key", "<i8"), ("meta", "<u4", (2,)), ("w", "<f4", (dim,)), ("acc", "<f4", (acc_width,))])
+
+
+class DiskRows:
+    """Records of fixed size in an append-only file under `directory`, and the in-memory index of the
+    keys whose live row is there. A new object starts empty (an old file there is unlinked, never
+    truncated: a checkpoint may hold a link to it)."""
+
+    def __init__(self, directory: str | Path, dtype: np.dtype):
+        self.directory = Path(directory)
+        self.dtype = dtype
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for old in self.directory.glob(_FILE.format(generation="*")):
+            old.unlink()
+        self.generation = 0
+        self._fd = -1
+        self._open(create=True)
+        self.keys = np.zeros(0, dtype=np.int64)  # sorted
+        self.slots = np.zeros(0, dtype=np.uint32)  # record number in the file
+        self.live = np.zeros(0, dtype=bool)  # False: the row is in RAM (or gone); the record is stale
+        self.live_count = 0
+
+    @property
+    def path(self) -> Path:
+        return self.directory / _FILE.format(generation=self.generation)
+
+    @property
+    def records(self) -> int:
+        """Records in the file (live or not)."""
+        return self._end // self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the index."""
+        return int(self.keys.nbytes + self.slots.nbytes + self.live.nbytes)
+
+    def _open(self, create: bool) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._fd = os.open(self.path, flags, 0o644)
+        size = os.fstat(self._fd).st_size
+        # appended at the end only; a torn record left by a crash is skipped, never overwritten
+        self._end = -(-size // self.dtype.itemsize) * self.dtype.itemsize
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in the index, live on disk) of `keys`."""
+        pos = np.searchsorted(self.keys, keys)
+        if len(self.keys) == 0:
+            return pos, np.zeros(len(keys), dtype=bool)
+        pos = np.minimum(pos, len(self.keys) - 1)
+        return pos, (self.keys[pos] == keys) & self.live[pos]
+
+    def read(self, pos: np.ndarray) -> np.ndarray:
+        """The records at index positions `pos` (structured, ``dtype``), one pread each."""
+        out = np.empty(len(pos), dtype=self.dtype)
+        offsets = self.slots[pos].astype(np.int64) * self.dtype.itemsize
+        pread_records(self._fd, offsets, out.view(np.uint8))
+        return out
+
+    def forget(self, pos: np.ndarray) -> None:
+        """The rows at `pos` are no longer on disk (read back into RAM, or removed)."""
+        pos = pos[self.live[pos]]
+        self.live[pos] = False
+        self.live_count -= len(pos)
+
+    def write(self, records: np.ndarray) -> None:
+        """Append `records` (distinct keys) and index them as the live rows of their keys."""
+        n = len(records)
+        if not n:
+            return
+        first = self.records
+        if first + n >= 2**32:
+            raise OSError(f"{self.path}: 2^32 records in one file (compaction could not keep up)")
+        written = os.pwrite(self._fd, np.ascontiguousarray(records).view(np.uint8).data, self._end)
+        if written != n * self.dtype.itemsize:
+            raise OSError(f"{self.path}: short write ({written} of {n * self.dtype.itemsize} bytes)")
+        self._end += written
+        self._index(records["key"], np.arange(first, first + n, dtype=np.uint32))
+
+    def _index(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        pos = np.searchsorted(self.keys, keys)
+        known = pos < len(self.keys)
+        known[known] = self.keys[pos[known]] == keys[known]
+        at = pos[known]
+        self.live_count += int((~self.live[at]).sum())
+        self.slots[at], self.live[at] = slots[known], True
+        fresh = ~known
+        if fresh.any():
+            self.keys = np.insert(self.keys, pos[fresh], keys[fresh])
+            self.slots = np.insert(self.slots, pos[fresh], slots[fresh])
+            self.live = np.insert(self.live, pos[fresh], True)
+            self.live_count += int(fresh.sum())
+
+    def live_positions(self) -> np.ndarray:
+        return np.flatnonzero(self.live)
+
+    def chunks(self, size: int) -> list[np.ndarray]:
+        """The index positions of the live rows, in chunks of at most `size` (for streamed reads)."""
+        live = self.live_positions()
+        return [live[i : i + size] for i in range(0, len(live), size)] or [live]
+
+    def clear(self) -> None:
+        """Hold nothing: the next generation's file, empty (the old one unlinked, not truncated)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+        self.generation += 1
+        self._open(create=True)
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.slots = np.zeros(0, dtype=np.uint32)
+        self.live = np.zeros(0, dtype=bool)
+        self.live_count = 0
+
+    def dead_share(self) -> float:
+        return 1.0 - self.live_count / max(self.records, 1)
+
+    def maybe_compact(self) -> bool:
+        """Compact when the file is mostly dead records (see :meth:`compact`)."""
+        if self.records < _COMPACT_MIN_RECORDS or self.records < _COMPACT_RATIO * max(self.live_count, 1):
+            return False
+        self.compact()
+        return True
+
+    def compact(self, chunk: int = 1 << 16) -> None:
+        """Rewrite the live records into the next generation's file and unlink this one (a checkpoint's
+        hard link keeps its data)."""
+        old_fd, old_path = self._fd, self.path
+        live = self.live_positions()
+        self._fd = -1
+        self.generation += 1
+        self._open(create=True)
+        try:
+            for i in range(0, len(live), chunk):
+                part = live[i : i + chunk]
+                out = np.empty(len(part), dtype=self.dtype)
+                offsets = self.slots[part].astype(np.int64) * self.dtype.itemsize
+                pread_records(old_fd, offsets, out.view(np.uint8))
+                os.pwrite(self._fd, out.view(np.uint8).data, self._end)
+                self._end += out.nbytes
+            keys = self.keys[live]
+            self.keys, self.live = keys, np.ones(len(keys), dtype=bool)
+            self.slots = np.arange(len(keys), dtype=np.uint32)
+            self.live_count = len(keys)
+        finally:
+            os.close(old_fd)
+        old_path.unlink()
+
+    def adopt(self, source: Path, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Take the file `source` (a checkpoint's hard link, linked here in turn) as this table's file,
+        its live rows the records `slots` of `keys` (sorted): a restore reads nothing of it."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+        self.generation += 1
+        _link_or_copy(source, self.path)
+        self._open(create=False)
+        self.keys = np.ascontiguousarray(keys, dtype=np.int64)
+        self.slots = np.ascontiguousarray(slots, dtype=np.uint32)
+        self.live = np.ones(len(keys), dtype=bool)
+        self.live_count = len(keys)
+
+    def link_into(self, target: Path) -> str:
+        """Hard-link the file to `target` (a copy where the filesystem cannot link) and fsync it; the
+        record count now is what the link's index may reference. Returns how: "link" or "copy"."""
+        return _link_or_copy(self.path, target)
+
+
+class DiskTier:
+    """The RAM budget of one table's row store (`rows`, a tracked ``_rows.Rows``: at most `ram_rows`
+    rows, briefly more between a write and the next pull) and its rows beyond it (:class:`DiskRows`).
+    The table calls :meth:`before_pull` and :meth:`before_write` before serving a call, so the call
+    finds all its rows in RAM."""
+
+    def __init__(self, rows: Any, directory: str | Path, ram_rows: int, dim: int, acc_width: int):
+        if ram_rows < 1:
+            raise ValueError(f"a disk tier needs a RAM budget of at least 1 row (got {ram_rows})")
+        self.rows, self.ram_rows = rows, ram_rows
+        self.disk = DiskRows(directory, record_dtype(dim, acc_width))
+        self.stats = DiskStats()
+        # spill 1/16 below the budget at a time, as the row cap does: the scan for the least recent
+        # rows then runs once per ram_rows/16 new rows
+        self._slack = max(1, ram_rows // 16)
+
+    def __len__(self) -> int:
+        return self.disk.live_count
+
+    def before_pull(self, keys: np.ndarray) -> None:
+        """A creating pull of `keys` is next: its rows in RAM are kept there (seen now), room is made
+        for the rest (the least recent rows spilled), and those on disk are read back."""
+        found = np.empty(len(keys), dtype=np.uint8)
+        self.rows.has(keys, found, True)
+        missing = np.unique(keys[found == 0])
+        self.stats.hits += len(keys) - int((found == 0).sum())
+        self.make_room(len(missing))  # first: a spill re-indexes the disk rows (positions move)
+        pos, on_disk = self.disk.find(missing)
+        self._promote(pos[on_disk])
+
+    def before_write(self, keys: np.ndarray) -> None:
+        """A push or a tier's write-back of `keys` is next: their rows on disk (spilled since their
+        pull, by another call's pull) come back; RAM may pass its budget until the next pull."""
+        found = np.empty(len(keys), dtype=np.uint8)
+        self.rows.has(keys, found, False)
+        if found.all():
+            return
+        pos, on_disk = self.disk.find(np.unique(keys[found == 0]))
+        self._promote(pos[on_disk])
+
+    def make_room(self, need: int, keep_now: bool = True) -> None:
+        """Spill rows (least recently or least often seen; with `keep_now` not those seen at the clock)
+        so that `need` more fit in the budget."""
+        live = len(self.rows)
+        if live + need <= self.ram_rows:
+            return
+        target = max(0, self.ram_rows - need - self._slack)
+        out = np.empty(live - target, dtype=self.disk.dtype)
+        n = int(self.rows.spill(target, out.view(np.uint8), keep_now))
+        self.disk.write(out[:n])
+        self.stats.evicted += n
+        self.stats.written_back += n
+        self.disk.maybe_compact()
+
+    def _promote(self, pos: np.ndarray) -> None:
+        if not len(pos):
+            return
+        records = self.disk.read(pos)
+        self.rows.insert(records.view(np.uint8))
+        self.disk.forget(pos)
+        self.stats.misses += len(pos)
+
+    def fill(self, keys: np.ndarray, out: np.ndarray) -> None:
+        """A pull that creates nothing (evaluation) read the RAM tier into `out`; the rows of `keys`
+        on disk are read from there (not brought into RAM: evaluation does not change the hot set)."""
+        pos, on_disk = self.disk.find(keys)
+        if on_disk.any():
+            out[on_disk] = self.disk.read(pos[on_disk])["w"]
+
+    def position(self) -> tuple[int, int]:
+        """(file generation, records): what a delta is relative to (records appended later are new)."""
+        return self.disk.generation, self.disk.records
+
+    def written_since(self, mark: tuple[int, int]) -> np.ndarray:
+        """Index positions of the live rows written after `mark` (all of them after a compaction)."""
+        since = mark[1] if mark[0] == self.disk.generation else 0
+        return np.flatnonzero(self.disk.live & (self.disk.slots >= since))
+
+    def held(self, keys: np.ndarray) -> np.ndarray:
+        """bool per key: the table holds its row (in RAM or on disk)."""
+        found = np.empty(len(keys), dtype=np.uint8)
+        self.rows.has(keys, found, False)
+        return found.astype(bool) | self.disk.find(keys)[1]
+
+    def removed(self, keys: np.ndarray) -> None:
+        """`keys` are gone from the table (a delta's removed keys): their records are dead too."""
+        pos, on_disk = self.disk.find(np.unique(keys))
+        self.disk.forget(pos[on_disk])
+
+
+def _link_or_copy(source: Path, target: Path) -> str:
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+        how = "link"
+    except OSError:  # another filesystem, or one without hard links
+        import shutil
+
+        shutil.copyfile(source, target)
+        how = "copy"
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return how
