@@ -347,6 +347,12 @@ class PSShard(Reusable):
         nbytes += sum(sum(p.nbytes * 3 for p in d.params.values()) for d in self._dense.values())
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         keys = self._counts["keys_pulled"] + self._counts["keys_pushed"]
+        # the disk tier's rows, hits and misses, rows written back, file and index bytes, by table
+        disk = {
+            name: {k: v for k, v in t.stats().items() if k.startswith("disk_")}
+            for name, t in self._tables.items()
+            if t.disk is not None
+        }
         return {
             "index": self.index,
             "rows": rows,
@@ -355,6 +361,7 @@ class PSShard(Reusable):
             "dense_versions": {name: d.version for name, d in self._dense.items()},
             "keys_per_s": keys / max(self._busy_s, 1e-9),
             "busy": self._busy_s / elapsed,
+            **({"disk": disk} if disk else {}),
         }
 
     def state(self) -> dict[str, np.ndarray]:

@@ -214,7 +214,10 @@ class SparseTable:
             optimizer == "rowwise_adagrad", self.tracked, admit_after, ttl, max_rows, evict == "lfu",
         )  # fmt: skip
         self._step = 0
-        self._disk = DiskTier(self._rows, disk_dir, ram_rows, dim, self._acc_width) if disk_dir else None
+        self._disk = None
+        if disk_dir:
+            cost = stored_bytes_per_row(dim, optimizer, tracked=True)
+            self._disk = DiskTier(self._rows, disk_dir, ram_rows, dim, self._acc_width, row_cost=cost)
         # the disk file's records up to this one are in the last durable snapshot (generation, records)
         self._disk_mark = self._disk_taken = (0, 0)
 
