@@ -156,3 +156,49 @@ def test_the_disk_tier_settings_are_refused_with_the_field_named():
         TableConfig(disk_dir="/tmp/rows", ram_mb=64, ttl_batches=10)
     with pytest.raises(ValueError, match="needs ram_rows >= 1"):
         SparseTable(dim=4, disk_dir="/tmp/rows")
+
+
+def test_a_full_snapshot_links_the_rows_on_disk_instead_of_copying_them(tmp_path):
+    """The rows on disk are hard-linked beside the snapshot (the same file, not a copy); training on
+    and compacting the live file leave the snapshot's rows as they were; the link gone, the restore
+    is refused naming the snapshot."""
+    from heterps_ray.errors import DataError
+
+    spec = TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "disk"))
+    shard = PSShard(0, 1, {"e": spec})
+    rng = np.random.default_rng(5)
+    for step in range(1, 60):
+        keys = _skewed(rng)
+        shard.pull("e", keys, step=step)
+        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    table = shard._tables["e"]
+    assert table.disk is not None
+    live_file = table.disk.disk.path
+    snapshot = tmp_path / "full.npz"
+    shard.snapshot(str(snapshot))
+    shard.snapshot_durable()
+    link = tmp_path / "full.e.rows"
+    assert link.stat().st_ino == live_file.stat().st_ino  # linked, not copied
+    saved = shard.state()
+    # the npz holds the rows in RAM only: a fraction of a snapshot that copies every row
+    copied = tmp_path / "copied.npz"
+    from heterps_ray.ps.atomic import write_npz_streamed
+
+    write_npz_streamed(str(copied), table.row_members())
+    assert snapshot.stat().st_size * 2 < copied.stat().st_size
+    for step in range(60, 90):  # the live file grows and is compacted into a new one
+        keys = _skewed(rng)
+        shard.pull("e", keys, step=step)
+        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    table.disk.disk.compact()
+    assert not live_file.exists() and link.exists()
+    again_on_disk = TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "again"))
+    for target in (again_on_disk, TableSpec(dim=DIM)):
+        rebuilt = PSShard(0, 1, {"e": target})
+        rebuilt.restore(str(snapshot))
+        again = rebuilt.state()
+        for name in ("sparse/e/keys", "sparse/e/weights", "sparse/e/accumulators"):
+            np.testing.assert_array_equal(again[name], saved[name], err_msg=name)
+    link.unlink()
+    with pytest.raises(DataError, match="full.npz"):
+        PSShard(0, 1, {"e": spec}).restore(str(snapshot))

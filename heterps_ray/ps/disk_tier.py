@@ -28,13 +28,16 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from heterps_ray.errors import DataError
 from heterps_ray.ps._rows import pread_records
+from heterps_ray.ps.atomic import Member, NpzReader
 
 # The file of a table's records in its directory; a compaction starts the next generation.
 _FILE = "rows.{generation}.dat"
@@ -234,8 +237,8 @@ class DiskRows:
         self.generation += 1
         _link_or_copy(source, self.path)
         self._open(create=False)
-        self.keys = np.ascontiguousarray(keys, dtype=np.int64)
-        self.slots = np.ascontiguousarray(slots, dtype=np.uint32)
+        self.keys = np.array(keys, dtype=np.int64)  # copies: the index is changed in place later
+        self.slots = np.array(slots, dtype=np.uint32)
         self.live = np.ones(len(keys), dtype=bool)
         self.live_count = len(keys)
 
@@ -355,6 +358,58 @@ class DiskTier:
         """`keys` are gone from the table (a delta's removed keys): their records are dead too."""
         pos, on_disk = self.disk.find(np.unique(keys))
         self.disk.forget(pos[on_disk])
+
+
+    def link_members(self, target: Path) -> list[Member]:
+        """A full snapshot's rows on disk, not copied: the file hard-linked to `target` (beside the
+        snapshot; a copy where the filesystem cannot link) and, as snapshot members, the index of its
+        live records and the record count it had (what is appended later is not the snapshot's)."""
+        how = self.disk.link_into(target)
+        # the whole index as it is (no copies: a copy of the live part took 60 MiB of a 3M-row shard)
+        return [
+            Member.of("disk_keys", self.disk.keys),
+            Member.of("disk_slots", self.disk.slots),
+            Member.of("disk_live", self.disk.live),
+            Member.of("disk_records", np.array(self.disk.records, dtype=np.int64)),
+            Member.of("disk_file", np.frombuffer(target.name.encode(), dtype=np.uint8)),
+            Member.of("disk_linked", np.array(how == "link")),
+        ]
+
+    def adopt_linked(self, npz: NpzReader, prefix: str) -> None:
+        """Restore the rows on disk of a snapshot written with :meth:`link_members`: its file linked
+        back here, read nothing of it."""
+        source, keys, slots = linked_rows(npz, prefix, self.disk.dtype)
+        self.disk.adopt(source, keys, slots)
+
+
+def linked_rows(npz: NpzReader, prefix: str, dtype: np.dtype) -> tuple[Path, np.ndarray, np.ndarray]:
+    """(file, keys, slots) of a snapshot's linked rows on disk; a DataError naming the snapshot when
+    the file is gone or shorter than the snapshot's records."""
+    name = npz.array(prefix + "disk_file").tobytes().decode()
+    source = npz.path.parent / name
+    records = int(npz.array(prefix + "disk_records"))
+    size = source.stat().st_size if source.exists() else -1
+    if size < records * dtype.itemsize:
+        raise DataError(
+            f"{npz.path}: its rows on disk, {source}, are {'missing' if size < 0 else f'{size} bytes'}; "
+            f"expected at least {records} records of {dtype.itemsize} B"
+        )
+    live = npz.array(prefix + "disk_live")
+    return source, npz.array(prefix + "disk_keys")[live], npz.array(prefix + "disk_slots")[live]
+
+
+def read_linked(npz: NpzReader, prefix: str, dtype: np.dtype, chunk: int) -> Iterator[np.ndarray]:
+    """The records of a snapshot's linked rows on disk, `chunk` at a time (a restore into a table
+    without a disk tier)."""
+    source, _, slots = linked_rows(npz, prefix, dtype)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        for i in range(0, len(slots), chunk):
+            out = np.empty(len(slots[i : i + chunk]), dtype=dtype)
+            pread_records(fd, slots[i : i + chunk].astype(np.int64) * dtype.itemsize, out.view(np.uint8))
+            yield out
+    finally:
+        os.close(fd)
 
 
 def _return_freed_memory() -> None:

@@ -416,7 +416,7 @@ class PSShard(Reusable):
         driver cannot hash a file on another node's disk; the manifest lists these). The changes stay
         pending until :meth:`snapshot_durable`."""
         self.faults.reached("checkpoint")
-        digest, size = write_npz_streamed(path, self._snapshot_members(delta))
+        digest, size = write_npz_streamed(path, self._snapshot_members(delta, Path(path)))
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
             "file": Path(path).name,
@@ -427,7 +427,7 @@ class PSShard(Reusable):
             "kind": "delta" if delta else "full",
         }
 
-    def _snapshot_members(self, delta: bool) -> list[Member]:
+    def _snapshot_members(self, delta: bool, path: Path | None = None) -> list[Member]:
         """What :meth:`snapshot` writes, as streamed .npz members: :meth:`_state`'s arrays, with each
         table's rows (all, or with `delta` only those changed since the last durable snapshot) read in
         chunks while the file is written, so no copy of the table is held in memory."""
@@ -438,7 +438,9 @@ class PSShard(Reusable):
         if delta:
             out.append(Member.of("shard/delta", np.array(1, dtype=np.int64)))
         for name, table in self._tables.items():
-            for member in table.snapshot_members(delta):
+            # a table's rows on disk: hard-linked beside the snapshot, not copied into it
+            link = path.with_name(f"{path.stem}.{name}.rows") if path is not None else None
+            for member in table.snapshot_members(delta, link):
                 member.name = f"sparse/{name}/{member.name}"
                 out.append(member)
         for name, dense in self._dense.items():

@@ -65,12 +65,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from heterps_ray.ps.atomic import Member, NpzReader
-from heterps_ray.ps.disk_tier import DiskTier
+from heterps_ray.ps.disk_tier import DiskTier, read_linked, record_dtype
 
 try:
     from heterps_ray.ps._rows import Rows as _Rows
@@ -363,12 +364,14 @@ class SparseTable:
             rows += len(self._disk.written_since(self._disk_mark))
         return int(rows), len(self)
 
-    def snapshot_members(self, delta: bool = False) -> list[Member]:
+    def snapshot_members(self, delta: bool = False, link_to: Path | None = None) -> list[Member]:
         """What :meth:`snapshot_state` holds, as the members of a streamed .npz: a full snapshot's
         fields are read from the row store in chunks while the file is written, so writing one needs
         no copy of the table (rows in the store's row order, not sorted by key); a delta's are
         its changes (bounded by the caller: a delta of most rows is written full). The changes are
-        taken now; the table must not change until the members are written."""
+        taken now; the table must not change until the members are written. With a disk tier and
+        `link_to`, a full snapshot holds the rows in RAM, and the file of the rows on disk is hard-linked
+        to `link_to` (ps/disk_tier.py: append-only, so the link is the snapshot's as it is now)."""
         if not self._rows.info()["recording"]:
             if delta:
                 raise ValueError("a delta snapshot needs an earlier snapshot or restore to be relative to")
@@ -380,22 +383,25 @@ class SparseTable:
         if delta:
             state = self.snapshot_state(delta=True)
             return [Member.of(k, v) for k, v in state.items()]
+        if self._disk is not None and link_to is not None:
+            return self.row_members(with_disk=False) + self._disk.link_members(link_to)
         return self.row_members()
 
-    def row_members(self) -> list[Member]:
+    def row_members(self, with_disk: bool = True) -> list[Member]:
         """The whole :meth:`state` (unsorted) as streamed .npz members, read from the row store in
-        chunks as they are written; change tracking is left as it is."""
-        members = self._store_members(0, "")
+        chunks as they are written (the rows on disk too, unless not `with_disk`); change tracking is
+        left as it is."""
+        members = self._store_members(0, "", with_disk)
         if self.tracked:
             members.append(Member.of("step", np.array(self._step, dtype=np.int64)))
         if self.admit_after > 1:
             members += self._store_members(1, "candidate_")
         return members
 
-    def _store_members(self, which: int, prefix: str) -> list[Member]:
+    def _store_members(self, which: int, prefix: str, with_disk: bool = True) -> list[Member]:
         rows = which == 0
         n = int(self._rows.info()["rows" if rows else "candidates"])
-        on_disk = len(self._disk) if self._disk is not None and rows else 0
+        on_disk = len(self._disk) if self._disk is not None and rows and with_disk else 0
         total = n + on_disk
         fields: list[tuple[str, Any, tuple[int, ...]]] = [("keys", np.int64, (total,))]
         if rows:
@@ -541,12 +547,32 @@ class SparseTable:
             )
         counted = self.tracked and prefix + "counts" in npz.names
         fields = ["keys", "weights", "accumulators"] + (["counts", "last_seen"] if counted else [])
-        self._load_chunks(0, npz, prefix, fields)
+        if prefix + "disk_keys" in npz.names:  # the rows on disk are a linked file beside the snapshot
+            self._load_linked(npz, prefix)
+            self._load_chunks(0, npz, prefix, fields, removed=np.zeros(0, dtype=np.int64))
+        else:
+            self._load_chunks(0, npz, prefix, fields)
         if self.admit_after > 1:
             waiting = prefix + "candidate_keys" in npz.names
             names = ["candidate_keys", "candidate_counts", "candidate_last_seen"] if waiting else []
             self._load_chunks(1, npz, prefix, names)
         self._restored()
+
+    def _load_linked(self, npz: NpzReader, prefix: str) -> None:
+        """Empty the table, then take a snapshot's linked rows on disk: as this table's disk tier, or
+        (without one) read into RAM."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._rows.load(0, empty, np.zeros((0, self.dim), np.float32), np.zeros((0, self._acc_width), np.float32), None)
+        if self._disk is not None:
+            self._disk.adopt_linked(npz, prefix)
+            return
+        dtype = record_dtype(self.dim, self._acc_width)
+        for records in read_linked(npz, prefix, dtype, SNAPSHOT_CHUNK_ROWS):
+            meta = np.ascontiguousarray(records["meta"]) if self.tracked else None
+            self._rows.apply(
+                0, np.ascontiguousarray(records["key"]), np.ascontiguousarray(records["w"]),
+                np.ascontiguousarray(records["acc"]), meta, empty,
+            )  # fmt: skip
 
     def _restored(self) -> None:
         """A restored state is the base of the next delta (RAM and disk alike)."""
