@@ -51,7 +51,8 @@ def hot_shares(keys: np.ndarray, record: int, ram_share: float) -> dict[str, flo
         "row_cache_hit_share": round(float(by_row[:budget_rows].sum() / total), 4),
         "page_cache_hit_share": round(float(by_page[:budget_pages].sum() / total), 4),
         "pages_with_a_top_row": round(
-            float(len(np.unique(row_of[np.argsort(counts)[::-1][:budget_rows]] // per_page)) / len(by_page)), 4
+            float(len(np.unique(row_of[np.argsort(counts)[::-1][:budget_rows]] // per_page)) / len(by_page)),
+            4,
         ),
     }
 
@@ -89,7 +90,9 @@ def sqlite_rates(folder: Path, n: int, record: int, batches: int) -> dict[str, f
         start = time.perf_counter()
         for i in range(0, BATCH, 500):  # SQLite's bound-parameter limit
             part = keys[i : i + 500]
-            db.execute(f"SELECT key, rec FROM rows WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
+            db.execute(
+                f"SELECT key, rec FROM rows WHERE key IN ({','.join('?' * len(part))})", part
+            ).fetchall()
         spent += time.perf_counter() - start
     db.close()
     return {"sqlite_read_rows_per_s": round(BATCH * batches / spent), "sqlite_write_rows_per_s": round(write)}
@@ -97,7 +100,9 @@ def sqlite_rates(folder: Path, n: int, record: int, batches: int) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="a Criteo-shaped dataset (heterps data synth)")
+    parser.add_argument(
+        "--data", type=Path, required=True, help="a Criteo-shaped dataset (heterps data synth)"
+    )
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows in the read/write files")
     parser.add_argument("--dim", type=int, default=9)
     parser.add_argument("--batches", type=int, default=20)
