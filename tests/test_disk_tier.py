@@ -202,3 +202,31 @@ def test_a_full_snapshot_links_the_rows_on_disk_instead_of_copying_them(tmp_path
     link.unlink()
     with pytest.raises(DataError, match="full.npz"):
         PSShard(0, 1, {"e": spec}).restore(str(snapshot))
+
+
+def test_rows_leaving_for_disk_give_their_memory_back_and_deltas_still_hold(tmp_path):
+    """When the RAM share shrinks (here set down by hand; in a run, as the index of the rows on disk
+    grows), the row store moves its rows down and returns the segments above them; the moved rows
+    are in the next delta, and a chain across the move rebuilds the table."""
+    keys = np.arange(300_000, dtype=np.int64)
+    shard = PSShard(0, 1, {"e": TableSpec(dim=4, ram_rows=400_000, disk_dir=str(tmp_path / "disk"))})
+    plain = SparseTable(dim=4)
+    grads = np.full((len(keys), 4), 0.25, np.float32)
+    for table in (shard._tables["e"], plain):
+        table.pull(keys, step=1)
+        table.push(keys, grads)
+    table = shard._tables["e"]
+    shard.snapshot(str(tmp_path / "full.npz"))
+    shard.snapshot_durable()
+    before = table.nbytes
+    assert table.disk is not None
+    table.disk.ram_rows = 20_000
+    for t in (table, plain):
+        t.pull(keys[:1_000], step=2)
+        t.push(keys[:1_000], grads[:1_000])
+    assert len(table._rows) <= 20_000 and table.nbytes * 4 < before
+    _assert_same_state(plain, table)
+    shard.snapshot(str(tmp_path / "delta.npz"), delta=True)
+    rebuilt = PSShard(0, 1, {"e": TableSpec(dim=4)})
+    rebuilt.restore_chain([str(tmp_path / "full.npz"), str(tmp_path / "delta.npz")])
+    _assert_same_state(plain, rebuilt._tables["e"])

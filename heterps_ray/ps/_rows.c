@@ -1264,6 +1264,50 @@ static PyObject *Rows_insert(Rows *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* repack() -> segments returned: where at least a segment's worth of rows and a quarter of the rows
+ * handed out are free, the live rows above `live` move down into the free rows below it, so rows
+ * [0, live) are in use, and the segments above go back to the system. A disk tier calls it when its
+ * RAM share shrinks (the index of the rows on disk grew): freed rows are otherwise only reused. A
+ * moved row is marked changed (the next delta carries it). */
+static PyObject *Rows_repack(Rows *t, PyObject *Py_UNUSED(ignored)) {
+    store_t *s = &t->rows;
+    uint64_t live = s->live, top = s->top;
+    if (!s->track || top - live < SEG_ROWS || 4 * (top - live) < top) return PyLong_FromLong(0);
+    uint64_t hi = top;
+    for (size_t i = 0; i < s->nfree; i++) {
+        uint32_t f = s->free_rows[i];
+        if (f >= live) continue;
+        while (hi > live && !row_meta(s, (uint32_t)(hi - 1))[0]) hi--;
+        uint32_t r = (uint32_t)(hi - 1), found;
+        uint64_t slot = store_find(s, row_key(s, r), &found);
+        memcpy(row_ptr(s, f), row_ptr(s, r), s->row_bytes);
+        s->slots[slot] = f + 1;
+        row_meta(s, r)[0] = 0;
+        store_mark(s, f);
+        hi--;
+    }
+    free(s->free_rows);
+    s->free_rows = NULL;
+    s->nfree = s->free_cap = 0;
+    s->top = live;
+    size_t keep = (size_t)((live + SEG_ROWS - 1) >> SEG_SHIFT), freed = s->nsegs > keep ? s->nsegs - keep : 0;
+    for (size_t i = keep; i < s->nsegs; i++) big_free(s->segs[i], SEG_ROWS * s->row_bytes);
+    s->nsegs = keep;
+    if (keep && (live & SEG_MASK)) { /* the last segment's pages above `live`: returned too */
+        uintptr_t page = 4096, a = ((uintptr_t)row_ptr(s, (uint32_t)live) + page - 1) & ~(page - 1);
+        uintptr_t b = (uintptr_t)s->segs[keep - 1] + SEG_ROWS * s->row_bytes;
+        if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+    }
+    if (s->ready > live) s->ready = live;
+    for (uint64_t r = live; r < (uint64_t)s->bit_words * 64; r++) { /* no row above `live` is changed */
+        s->dirty[r >> 6] &= ~((uint64_t)1 << (r & 63));
+        s->pending[r >> 6] &= ~((uint64_t)1 << (r & 63));
+    }
+    s->removals++; /* row numbers changed: the pull -> push reuse of rows is off */
+    t->last_n = -1;
+    return PyLong_FromSize_t(freed);
+}
+
 /* pread_records(fd, offsets int64[n], out uint8[n, record_bytes]): record i from file offset
  * offsets[i], one pread each, without the GIL (the rows of a disk tier; a short read raises) */
 static PyObject *pread_records(PyObject *Py_UNUSED(module), PyObject *args) {
@@ -1643,6 +1687,7 @@ static PyMethodDef Rows_methods[] = {
     {"has", (PyCFunction)Rows_has, METH_VARARGS, "has(keys, found, touch)"},
     {"spill", (PyCFunction)Rows_spill, METH_VARARGS, "spill(target, records, keep_now) -> rows spilled"},
     {"insert", (PyCFunction)Rows_insert, METH_VARARGS, "insert(records)"},
+    {"repack", (PyCFunction)Rows_repack, METH_NOARGS, "repack() -> segments returned"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -327,6 +327,7 @@ class DiskTier:
         self.disk.write(out[:n])
         self.stats.evicted += n
         self.stats.written_back += n
+        self.rows.repack()  # where the RAM share shrank: the row store's freed segments go back
         self.disk.maybe_compact()
 
     def _promote(self, pos: np.ndarray) -> None:
