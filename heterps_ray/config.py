@@ -327,6 +327,10 @@ class TableConfig(BaseModel):
     def _check_disk_tier(self) -> TableConfig:
         if self.disk_dir and self.ram_mb <= 0:
             raise ConfigError(None, "table.ram_mb", "> 0 with table.disk_dir (the RAM budget of each shard)", self.ram_mb)
+        if self.disk_dir and not self.disk_dir.startswith("/"):
+            raise ConfigError(
+                None, "table.disk_dir", "an absolute path (each PS node's own local disk)", self.disk_dir
+            )
         if self.ram_mb and not self.disk_dir:
             raise ConfigError(None, "table.disk_dir", "a directory on the PS nodes' local disk with table.ram_mb", "''")
         for name in ("ttl_batches", "max_shard_mb"):

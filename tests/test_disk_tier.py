@@ -152,6 +152,8 @@ def test_the_disk_tier_settings_are_refused_with_the_field_named():
         TableConfig(disk_dir="/tmp/rows")
     with pytest.raises(ConfigError, match="table.disk_dir"):
         TableConfig(ram_mb=64)
+    with pytest.raises(ConfigError, match="table.disk_dir.*absolute"):
+        TableConfig(disk_dir="rows", ram_mb=64)
     with pytest.raises(ConfigError, match="table.ttl_batches"):
         TableConfig(disk_dir="/tmp/rows", ram_mb=64, ttl_batches=10)
     with pytest.raises(ValueError, match="needs ram_rows >= 1"):
