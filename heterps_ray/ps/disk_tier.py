@@ -292,7 +292,8 @@ class DiskTier:
 
     def before_write(self, keys: np.ndarray) -> None:
         """A push or a tier's write-back of `keys` is next: their rows on disk (spilled since their
-        pull, by another call's pull) come back; RAM may pass its budget until the next pull."""
+        pull, by another call's pull) come back, past the budget until the write is done (the table
+        then calls :meth:`make_room`: a spill before it could take a row the write needs)."""
         found = np.empty(len(keys), dtype=np.uint8)
         self.rows.has(keys, found, False)
         if found.all():

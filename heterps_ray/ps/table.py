@@ -279,9 +279,12 @@ class SparseTable:
         admitted are skipped. Returns the number of rows updated."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(keys), self.dim)
-        if self._disk is not None:
-            self._disk.before_write(keys)
-        return int(self._rows.push(keys, grads, unique))
+        if self._disk is None:
+            return int(self._rows.push(keys, grads, unique))
+        self._disk.before_write(keys)
+        applied = int(self._rows.push(keys, grads, unique))
+        self._disk.make_room(0)  # rows brought back for the write leave again once it is done
+        return applied
 
     def fetch(self, keys: np.ndarray, step: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a tier above this table (ps/device_table.py) taking rows it does not hold: distinct
@@ -303,9 +306,12 @@ class SparseTable:
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(len(keys), self.dim)
         accum = np.ascontiguousarray(accumulators, dtype=np.float32).reshape(len(keys), self._acc_width)
-        if self._disk is not None:
-            self._disk.before_write(keys)
-        return int(self._rows.set(keys, weights, accum))
+        if self._disk is None:
+            return int(self._rows.set(keys, weights, accum))
+        self._disk.before_write(keys)
+        absent = int(self._rows.set(keys, weights, accum))
+        self._disk.make_room(0)  # a tier's write-back of many rows does not stay in RAM past the budget
+        return absent
 
     def sweep(self) -> int:
         """Reclaim the memory of expired rows now (lookups already treat them as absent)."""
