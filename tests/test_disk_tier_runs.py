@@ -86,7 +86,7 @@ def test_a_run_with_rows_on_disk_resumed_after_a_checkpoint_equals_the_uninterru
     assert _rows_on_disk(disk) > 0
     # the full checkpoints hold the shards' rows on disk as hard links, not copies
     linked = list((run / "checkpoints").rglob("ps-shard-*.embedding.rows"))
-    assert linked and all(p.stat().st_nlink >= 1 for p in linked)
+    assert linked
     resumed = train(_job(dataset, run, disk), plan, steps=TOTAL, progress=False, resume=True)
     assert resumed.extra["resumed_from"]["step"] == STOP
     np.testing.assert_allclose(resumed.losses, in_ram.losses, rtol=0, atol=ATOL)
