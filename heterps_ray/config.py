@@ -314,6 +314,31 @@ class TableConfig(BaseModel):
         0, ge=0, description="memory cap of each PS shard's rows; the least recently seen go first (0: none)"
     )
     evict: Literal["lru", "lfu"] = Field("lru", description="at the cap: least recently or least often seen")
+    disk_dir: str = Field(
+        "",
+        description="a disk tier: each PS shard keeps its rows beyond ram_mb in files under this directory "
+        "of its node's local disk (least recently or least often seen first, as `evict`; '': all in RAM)",
+    )
+    ram_mb: float = Field(
+        0, ge=0, description="with disk_dir: memory of each PS shard's rows in RAM (the hot set), the rest on disk"
+    )
+
+    @model_validator(mode="after")
+    def _check_disk_tier(self) -> TableConfig:
+        if self.disk_dir and self.ram_mb <= 0:
+            raise ConfigError(None, "table.ram_mb", "> 0 with table.disk_dir (the RAM budget of each shard)", self.ram_mb)
+        if self.disk_dir and not self.disk_dir.startswith("/"):
+            raise ConfigError(
+                None, "table.disk_dir", "an absolute path (each PS node's own local disk)", self.disk_dir
+            )
+        if self.ram_mb and not self.disk_dir:
+            raise ConfigError(None, "table.disk_dir", "a directory on the PS nodes' local disk with table.ram_mb", "''")
+        for name in ("ttl_batches", "max_shard_mb"):
+            if self.disk_dir and getattr(self, name):
+                raise ConfigError(
+                    None, f"table.{name}", "0 with table.disk_dir (a disk tier keeps every row)", getattr(self, name)
+                )
+        return self
 
 
 class RuntimeConfig(BaseModel):

@@ -401,3 +401,21 @@ def test_the_lru_hit_rate_from_key_counts_is_what_an_lru_cache_serves():
                     cache.popitem(last=False)
         assert lru_hit_rate(counts, capacity) == pytest.approx(hits / len(stream), abs=0.03)
     assert lru_hit_rate(counts, len(keys)) == pytest.approx(1 - len(keys) / len(stream))
+
+
+def test_the_hot_set_for_a_target_hit_rate_is_the_lru_cache_that_reaches_it():
+    """A disk tier's hot set: the LRU capacity whose hit rate (Che) is the target, scaled to the whole
+    table; an unreachable target (first lookups always miss) has none."""
+    import numpy as np
+
+    from heterps_ray.costmodel.table_memory import hot_rows_for, lru_hit_rate
+
+    rng = np.random.default_rng(4)
+    counts = np.unique(rng.zipf(1.2, size=200_000) % 50_000, return_counts=True)[1]
+    for target in (0.5, 0.7, 0.8):
+        rows = hot_rows_for(counts, target)
+        assert rows is not None and rows < len(counts)
+        assert lru_hit_rate(counts, rows) == pytest.approx(target, abs=0.002)
+        assert lru_hit_rate(counts, rows * 0.9) < target
+    assert hot_rows_for(counts, 0.7, rows=10 * len(counts)) == pytest.approx(10 * hot_rows_for(counts, 0.7), rel=1e-3)
+    assert hot_rows_for(counts, 1.0 - len(counts) / counts.sum() + 0.01) is None

@@ -450,3 +450,32 @@ def lru_hit_rate(counts: np.ndarray, capacity: float) -> float:
         else:
             high = mid
     return float(np.sum((counts - 1.0) * -np.expm1(-p * high)) / total)
+
+
+def hot_rows_for(counts: np.ndarray, target_hit_rate: float, rows: int | None = None) -> int | None:
+    """The rows a RAM tier kept by LRU must hold so that `target_hit_rate` of the key lookups find
+    their row there (a disk tier's hot set, ps/disk_tier.py), from the keys' counts `counts` (Che's
+    approximation as :func:`lru_hit_rate`, solved for its characteristic time T at the target, the
+    capacity then sum_i (1 - e^(-p_i T))), scaled from the counted keys to a table of `rows`; None
+    where no size reaches it (each key's first lookup misses in any cache)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum()
+    if total <= 0 or target_hit_rate > 1.0 - len(counts) / total:
+        return None
+    p = counts / total
+
+    def hit_rate(t: float) -> float:
+        return float(np.sum((counts - 1.0) * -np.expm1(-p * t)) / total)
+
+    low, high = 0.0, 1.0
+    while hit_rate(high) < target_hit_rate:
+        high *= 2.0
+    for _ in range(100):  # bisection on T: the hit rate grows with it
+        mid = 0.5 * (low + high)
+        if hit_rate(mid) < target_hit_rate:
+            low = mid
+        else:
+            high = mid
+    capacity = float(np.sum(-np.expm1(-p * high)))
+    scale = (rows / len(counts)) if rows else 1.0
+    return math.ceil(min(capacity, len(counts)) * scale)

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define SEG_SHIFT 16
 #define SEG_ROWS ((uint64_t)1 << SEG_SHIFT)
@@ -1132,6 +1133,218 @@ static PyObject *Rows_apply(Rows *t, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* The RAM side of a disk tier (heterps_ray.ps.disk_tier): which keys are here, rows out to disk as
+ * whole records (the row's own bytes: key | count | last_seen | w | acc), and records back in.      */
+
+/* has(keys int64[n], found uint8[n], touch): found 1 for the keys with a row here; with `touch`
+ * (a tracked store) their last_seen becomes the clock, so a spill made for this call keeps them */
+static PyObject *Rows_has(Rows *t, PyObject *args) {
+    PyObject *ko, *fo;
+    int touch;
+    if (!PyArg_ParseTuple(args, "OOp", &ko, &fo, &touch)) return NULL;
+    Py_buffer kb, fb;
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t n = kb.len / 8;
+    if (get_buf(fo, &fb, 1, 1, n, "found") < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    uint32_t *row = (uint32_t *)scratch(t, (size_t)(n ? n : 1) * 4);
+    if (row) {
+        store_lookup_batch(&t->rows, kb.buf, n, row);
+        for (int64_t i = 0; i < n; i++) {
+            ((uint8_t *)fb.buf)[i] = row[i] != NO_ROW;
+            if (row[i] != NO_ROW && touch && t->track) row_meta(&t->rows, row[i])[1] = t->step;
+        }
+    }
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&fb);
+    if (!row) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* spill(target, records uint8[m, row_bytes], keep_now) -> rows spilled: like the cap's eviction (the
+ * rows of lowest score go first, score = last_seen or count), but with `keep_now` rows seen at the
+ * current clock stay (the call being served needs them), and each row leaves as a record in `records` (m >= live - target)
+ * before it is removed. Removals are logged for deltas as any removal (the disk tier reads them). */
+static PyObject *Rows_spill(Rows *t, PyObject *args) {
+    unsigned long long target;
+    PyObject *oo;
+    int keep_now;
+    if (!PyArg_ParseTuple(args, "KOp", &target, &oo, &keep_now)) return NULL;
+    store_t *s = &t->rows;
+    if (!s->track) {
+        PyErr_SetString(PyExc_ValueError, "spill needs a tracked store (last_seen per row)");
+        return NULL;
+    }
+    Py_buffer ob;
+    if (PyObject_GetBuffer(oo, &ob, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    uint64_t room = (uint64_t)ob.len / s->row_bytes, drop = s->live > target ? s->live - target : 0;
+    if (drop > room) drop = room;
+    uint64_t *hist = drop ? calloc(65536, sizeof(uint64_t)) : NULL;
+    if (drop && !hist) {
+        PyBuffer_Release(&ob);
+        return PyErr_NoMemory();
+    }
+    uint32_t hi = 0, cut = 0;
+    uint64_t below = 0, candidates = 0;
+    for (int pass = 0; drop && pass < 2; pass++) { /* the score at the cut, in two 16-bit passes */
+        memset(hist, 0, 65536 * sizeof(uint64_t));
+        for (uint64_t r = 0; r < s->top; r++) {
+            uint32_t *m = row_meta(s, (uint32_t)r);
+            if (!m[0] || (keep_now && m[1] == t->step)) continue;
+            uint32_t score = t->lfu ? m[0] : m[1];
+            if (pass == 0) {
+                hist[score >> 16]++;
+                candidates++;
+            } else if ((score >> 16) == hi) {
+                hist[score & 0xFFFF]++;
+            }
+        }
+        if (pass == 0 && candidates < drop) drop = candidates;
+        if (!drop) break;
+        uint64_t acc = 0;
+        uint32_t b = 0;
+        while (b < 65535 && acc + hist[b] < drop - below) acc += hist[b++];
+        below += acc;
+        if (pass == 0) hi = b;
+        else cut = (hi << 16) | b;
+    }
+    free(hist);
+    uint64_t ties = drop - below, out = 0;
+    for (uint64_t r = 0; drop && r < s->top && out < drop; r++) {
+        uint32_t *m = row_meta(s, (uint32_t)r);
+        if (!m[0] || (keep_now && m[1] == t->step)) continue;
+        uint32_t score = t->lfu ? m[0] : m[1];
+        if (score < cut || (score == cut && ties && ties--)) {
+            memcpy((char *)ob.buf + out * s->row_bytes, row_ptr(s, (uint32_t)r), s->row_bytes);
+            out++;
+            if (store_remove_key(s, row_key(s, (uint32_t)r)) < 0) {
+                PyBuffer_Release(&ob);
+                return PyErr_NoMemory();
+            }
+        }
+    }
+    t->last_n = -1;
+    PyBuffer_Release(&ob);
+    return PyLong_FromUnsignedLongLong(out);
+}
+
+/* insert(records uint8[n, row_bytes]): rows back from disk, each its record's bytes exactly (key,
+ * counters, weights, accumulators); a key already here is overwritten. Marked changed for deltas. */
+static PyObject *Rows_insert(Rows *t, PyObject *args) {
+    PyObject *ro;
+    if (!PyArg_ParseTuple(args, "O", &ro)) return NULL;
+    store_t *s = &t->rows;
+    Py_buffer rb;
+    if (PyObject_GetBuffer(ro, &rb, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (rb.len % (Py_ssize_t)s->row_bytes) {
+        PyErr_Format(PyExc_ValueError, "records: %zd bytes, not a multiple of the row's %zu", rb.len, s->row_bytes);
+        PyBuffer_Release(&rb);
+        return NULL;
+    }
+    int64_t n = rb.len / (Py_ssize_t)s->row_bytes;
+    int ok = store_reserve(s, (uint64_t)n) == 0;
+    for (int64_t j = 0; ok && j < n; j++) {
+        const char *rec = (const char *)rb.buf + (size_t)j * s->row_bytes;
+        int64_t key;
+        memcpy(&key, rec, 8);
+        uint32_t r;
+        uint64_t slot = store_find(s, key, &r);
+        if (r == NO_ROW) r = store_add(s, key, slot);
+        if (r == NO_ROW) {
+            ok = 0;
+            break;
+        }
+        memcpy(row_ptr(s, r), rec, s->row_bytes);
+        store_mark(s, r);
+    }
+    PyBuffer_Release(&rb);
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* repack() -> segments returned: where at least a segment's worth of rows and a quarter of the rows
+ * handed out are free, the live rows above `live` move down into the free rows below it, so rows
+ * [0, live) are in use, and the segments above go back to the system. A disk tier calls it when its
+ * RAM share shrinks (the index of the rows on disk grew): freed rows are otherwise only reused. A
+ * moved row is marked changed (the next delta carries it). */
+static PyObject *Rows_repack(Rows *t, PyObject *Py_UNUSED(ignored)) {
+    store_t *s = &t->rows;
+    uint64_t live = s->live, top = s->top;
+    if (!s->track || top - live < SEG_ROWS || 4 * (top - live) < top) return PyLong_FromLong(0);
+    uint64_t hi = top;
+    for (size_t i = 0; i < s->nfree; i++) {
+        uint32_t f = s->free_rows[i];
+        if (f >= live) continue;
+        while (hi > live && !row_meta(s, (uint32_t)(hi - 1))[0]) hi--;
+        uint32_t r = (uint32_t)(hi - 1), found;
+        uint64_t slot = store_find(s, row_key(s, r), &found);
+        memcpy(row_ptr(s, f), row_ptr(s, r), s->row_bytes);
+        s->slots[slot] = f + 1;
+        row_meta(s, r)[0] = 0;
+        store_mark(s, f);
+        hi--;
+    }
+    free(s->free_rows);
+    s->free_rows = NULL;
+    s->nfree = s->free_cap = 0;
+    s->top = live;
+    size_t keep = (size_t)((live + SEG_ROWS - 1) >> SEG_SHIFT), freed = s->nsegs > keep ? s->nsegs - keep : 0;
+    for (size_t i = keep; i < s->nsegs; i++) big_free(s->segs[i], SEG_ROWS * s->row_bytes);
+    s->nsegs = keep;
+    if (keep && (live & SEG_MASK)) { /* the last segment's pages above `live`: returned too */
+        uintptr_t page = 4096, a = ((uintptr_t)row_ptr(s, (uint32_t)live) + page - 1) & ~(page - 1);
+        uintptr_t b = (uintptr_t)s->segs[keep - 1] + SEG_ROWS * s->row_bytes;
+        if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+    }
+    if (s->ready > live) s->ready = live;
+    for (uint64_t r = live; r < (uint64_t)s->bit_words * 64; r++) { /* no row above `live` is changed */
+        s->dirty[r >> 6] &= ~((uint64_t)1 << (r & 63));
+        s->pending[r >> 6] &= ~((uint64_t)1 << (r & 63));
+    }
+    s->removals++; /* row numbers changed: the pull -> push reuse of rows is off */
+    t->last_n = -1;
+    return PyLong_FromSize_t(freed);
+}
+
+/* pread_records(fd, offsets int64[n], out uint8[n, record_bytes]): record i from file offset
+ * offsets[i], one pread each, without the GIL (the rows of a disk tier; a short read raises) */
+static PyObject *pread_records(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    PyObject *oo, *bo;
+    if (!PyArg_ParseTuple(args, "iOO", &fd, &oo, &bo)) return NULL;
+    Py_buffer ob, bb;
+    if (PyObject_GetBuffer(oo, &ob, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(bo, &bb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    int64_t n = ob.len / 8, bad = -1;
+    size_t size = n ? (size_t)bb.len / (size_t)n : 0;
+    if (n && (size_t)bb.len != size * (size_t)n) {
+        PyErr_SetString(PyExc_ValueError, "out: not n records");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t i = 0; i < n; i++) {
+            char *dst = (char *)bb.buf + (size_t)i * size;
+            if (pread(fd, dst, size, (off_t)((const int64_t *)ob.buf)[i]) != (ssize_t)size) {
+                bad = i;
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (bad >= 0)
+            PyErr_Format(PyExc_OSError, "short read of record %lld at offset %lld", (long long)bad,
+                         (long long)((const int64_t *)ob.buf)[bad]);
+    }
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&bb);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Rows by number: the index of a tier above this store (heterps_ray.ps.device_table)             */
 
 /* rows(keys int64[n], out int64[n], create): each key's row number, or -1 for an absent key. With
@@ -1450,6 +1663,7 @@ static PyMethodDef module_methods[] = {
      "hll_add_strings(registers, p, offsets, data, validity, offset, length)"},
     {"siphash_strings", siphash_strings, METH_VARARGS,
      "siphash_strings(out, key, offsets, data, offset, length)"},
+    {"pread_records", pread_records, METH_VARARGS, "pread_records(fd, offsets, out)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1470,6 +1684,10 @@ static PyMethodDef Rows_methods[] = {
     {"get", (PyCFunction)Rows_get, METH_VARARGS, "get(keys, weights, acc, found)"},
     {"set", (PyCFunction)Rows_set, METH_VARARGS, "set(keys, weights, acc) -> keys absent"},
     {"apply", (PyCFunction)Rows_apply, METH_VARARGS, "apply(which, keys, weights, acc, meta, removed)"},
+    {"has", (PyCFunction)Rows_has, METH_VARARGS, "has(keys, found, touch)"},
+    {"spill", (PyCFunction)Rows_spill, METH_VARARGS, "spill(target, records, keep_now) -> rows spilled"},
+    {"insert", (PyCFunction)Rows_insert, METH_VARARGS, "insert(records)"},
+    {"repack", (PyCFunction)Rows_repack, METH_NOARGS, "repack() -> segments returned"},
     {NULL, NULL, 0, NULL},
 };
 

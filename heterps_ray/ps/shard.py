@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,15 +75,26 @@ class TableSpec:
     ttl: int = 0  # steps a row lives unseen (0: forever)
     max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
     evict: str = "lru"  # or "lfu"
+    ram_rows: int = 0  # with disk_dir: rows per shard in RAM, the rest on local disk (ps/disk_tier.py)
+    disk_dir: str = ""  # the disk tier's directory on each PS node (each shard and table a folder in it)
+
+    def for_shard(self, index: int, num_shards: int, table: str) -> TableSpec:
+        """This spec as one shard's table: its disk tier in a folder of its own."""
+        if not self.disk_dir:
+            return self
+        folder = Path(self.disk_dir) / f"shard-{index:05d}-of-{num_shards:05d}" / table
+        return replace(self, disk_dir=str(folder))
 
 
 def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
     """The TableSpec of a job's sparse table: the job's Adagrad settings and its ``table:`` section
     (admission, TTL in batches, each shard's memory cap as a row cap, eviction order)."""
     settings = job.table
-    max_rows = 0
+    max_rows = ram_rows = 0
     if settings.max_shard_mb:
         max_rows = max_rows_for(settings.max_shard_mb * 2**20, dim, admit_after=settings.admit_after)
+    if settings.disk_dir:
+        ram_rows = max_rows_for(settings.ram_mb * 2**20, dim, admit_after=settings.admit_after)
     return TableSpec(
         dim=dim,
         seed=job.seed,
@@ -94,6 +105,8 @@ def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
         ttl=settings.ttl_batches,
         max_rows=max_rows,
         evict=settings.evict,
+        ram_rows=ram_rows,
+        disk_dir=settings.disk_dir,
     )
 
 
@@ -168,7 +181,9 @@ class PSShard(Reusable):
     def __init__(self, index: int, num_shards: int, tables: dict[str, TableSpec]):
         self.index, self.num_shards = index, num_shards
         self._specs = dict(tables)
-        self._tables = {name: SparseTable(**asdict(spec)) for name, spec in tables.items()}
+        self._tables = {
+            name: SparseTable(**asdict(spec.for_shard(index, num_shards, name))) for name, spec in tables.items()
+        }
         self._dense: dict[str, _DenseTable] = {}
         self._counts = {
             "pulls": 0,
@@ -332,6 +347,12 @@ class PSShard(Reusable):
         nbytes += sum(sum(p.nbytes * 3 for p in d.params.values()) for d in self._dense.values())
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         keys = self._counts["keys_pulled"] + self._counts["keys_pushed"]
+        # the disk tier's rows, hits and misses, rows written back, file and index bytes, by table
+        disk = {
+            name: {k: v for k, v in t.stats().items() if k.startswith("disk_")}
+            for name, t in self._tables.items()
+            if t.disk is not None
+        }
         return {
             "index": self.index,
             "rows": rows,
@@ -340,6 +361,7 @@ class PSShard(Reusable):
             "dense_versions": {name: d.version for name, d in self._dense.items()},
             "keys_per_s": keys / max(self._busy_s, 1e-9),
             "busy": self._busy_s / elapsed,
+            **({"disk": disk} if disk else {}),
         }
 
     def state(self) -> dict[str, np.ndarray]:
@@ -394,7 +416,7 @@ class PSShard(Reusable):
         driver cannot hash a file on another node's disk; the manifest lists these). The changes stay
         pending until :meth:`snapshot_durable`."""
         self.faults.reached("checkpoint")
-        digest, size = write_npz_streamed(path, self._snapshot_members(delta))
+        digest, size = write_npz_streamed(path, self._snapshot_members(delta, Path(path)))
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
             "file": Path(path).name,
@@ -405,7 +427,7 @@ class PSShard(Reusable):
             "kind": "delta" if delta else "full",
         }
 
-    def _snapshot_members(self, delta: bool) -> list[Member]:
+    def _snapshot_members(self, delta: bool, path: Path | None = None) -> list[Member]:
         """What :meth:`snapshot` writes, as streamed .npz members: :meth:`_state`'s arrays, with each
         table's rows (all, or with `delta` only those changed since the last durable snapshot) read in
         chunks while the file is written, so no copy of the table is held in memory."""
@@ -416,7 +438,9 @@ class PSShard(Reusable):
         if delta:
             out.append(Member.of("shard/delta", np.array(1, dtype=np.int64)))
         for name, table in self._tables.items():
-            for member in table.snapshot_members(delta):
+            # a table's rows on disk: hard-linked beside the snapshot, not copied into it
+            link = path.with_name(f"{path.stem}.{name}.rows") if path is not None else None
+            for member in table.snapshot_members(delta, link):
                 member.name = f"sparse/{name}/{member.name}"
                 out.append(member)
         for name, dense in self._dense.items():

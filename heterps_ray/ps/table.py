@@ -65,11 +65,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from heterps_ray.ps.atomic import Member, NpzReader
+from heterps_ray.ps.disk_tier import DiskTier, read_linked, record_dtype
 
 try:
     from heterps_ray.ps._rows import Rows as _Rows
@@ -177,6 +179,8 @@ class SparseTable:
         ttl: int = 0,
         max_rows: int = 0,
         evict: str = "lru",
+        ram_rows: int = 0,
+        disk_dir: str = "",
     ):
         if dim < 1:
             raise ValueError(f"dim must be >= 1 (got {dim})")
@@ -197,7 +201,13 @@ class SparseTable:
             max_rows,
             evict,
         )
-        self.tracked = admit_after > 1 or ttl > 0 or max_rows > 0
+        if disk_dir and (ttl or max_rows or ram_rows < 1):
+            raise ValueError(
+                f"a disk tier (disk_dir {disk_dir!r}) needs ram_rows >= 1 and no ttl or max_rows "
+                f"(got ram_rows {ram_rows}, ttl {ttl}, max_rows {max_rows})"
+            )
+        # a disk tier spills the least recently seen rows: it keeps the counters
+        self.tracked = admit_after > 1 or ttl > 0 or max_rows > 0 or bool(disk_dir)
         self._acc_width = 1 if optimizer == "rowwise_adagrad" else dim
         self._sweep_every = max(1, ttl // 4)
         self._rows = _Rows(
@@ -205,9 +215,20 @@ class SparseTable:
             optimizer == "rowwise_adagrad", self.tracked, admit_after, ttl, max_rows, evict == "lfu",
         )  # fmt: skip
         self._step = 0
+        self._disk = None
+        if disk_dir:
+            cost = stored_bytes_per_row(dim, optimizer, tracked=True)
+            self._disk = DiskTier(self._rows, disk_dir, ram_rows, dim, self._acc_width, row_cost=cost)
+        # the disk file's records up to this one are in the last durable snapshot (generation, records)
+        self._disk_mark = self._disk_taken = (0, 0)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + (len(self._disk) if self._disk is not None else 0)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier (rows beyond ``ram_rows`` on local disk), or None: every row in RAM."""
+        return self._disk
 
     @property
     def step(self) -> int:
@@ -222,7 +243,16 @@ class SparseTable:
     def stats(self) -> dict[str, int]:
         """rows, candidates (keys waiting for admission), bytes, row_bytes, step, and since this
         object was made: admitted, expired, evicted."""
-        return {k: int(v) for k, v in self._rows.info().items()}
+        out = {k: int(v) for k, v in self._rows.info().items()}
+        if self._disk is not None:
+            stats = self._disk.stats
+            out.update(
+                disk_rows=len(self._disk), disk_hits=stats.hits, disk_misses=stats.misses,
+                disk_written_back=stats.written_back, disk_evicted=stats.evicted,
+                disk_file_bytes=self._disk.disk.records * self._disk.disk.dtype.itemsize,
+                disk_index_bytes=self._disk.disk.nbytes,
+            )  # fmt: skip
+        return out
 
     def pull(
         self, keys: np.ndarray, create: bool = True, unique: bool = False, step: int | None = None
@@ -236,7 +266,11 @@ class SparseTable:
         out = np.empty((len(keys), self.dim), dtype=np.float32)
         if create:
             self._advance(self._step + 1 if step is None else step)
+            if self._disk is not None:
+                self._disk.before_pull(keys)
         self._rows.pull(keys, out, unique, create, self._step)
+        if self._disk is not None and not create:
+            self._disk.fill(keys, out)
         return out
 
     def push(self, keys: np.ndarray, grads: np.ndarray, unique: bool = False) -> int:
@@ -245,7 +279,12 @@ class SparseTable:
         admitted are skipped. Returns the number of rows updated."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(keys), self.dim)
-        return int(self._rows.push(keys, grads, unique))
+        if self._disk is None:
+            return int(self._rows.push(keys, grads, unique))
+        self._disk.before_write(keys)
+        applied = int(self._rows.push(keys, grads, unique))
+        self._disk.make_room(0)  # rows brought back for the write leave again once it is done
+        return applied
 
     def fetch(self, keys: np.ndarray, step: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a tier above this table (ps/device_table.py) taking rows it does not hold: distinct
@@ -267,7 +306,12 @@ class SparseTable:
         keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(len(keys), self.dim)
         accum = np.ascontiguousarray(accumulators, dtype=np.float32).reshape(len(keys), self._acc_width)
-        return int(self._rows.set(keys, weights, accum))
+        if self._disk is None:
+            return int(self._rows.set(keys, weights, accum))
+        self._disk.before_write(keys)
+        absent = int(self._rows.set(keys, weights, accum))
+        self._disk.make_room(0)  # a tier's write-back of many rows does not stay in RAM past the budget
+        return absent
 
     def sweep(self) -> int:
         """Reclaim the memory of expired rows now (lookups already treat them as absent)."""
@@ -290,6 +334,11 @@ class SparseTable:
         accum = np.empty((n, self._acc_width), dtype=np.float32)
         meta = np.empty((n, 2), dtype=np.uint32) if self.tracked else None
         self._rows.export(0, keys, weights, accum, meta)
+        if self._disk is not None:
+            records = self._disk.disk.read(self._disk.disk.live_positions())
+            keys, weights = np.concatenate([keys, records["key"]]), np.concatenate([weights, records["w"]])
+            accum, meta = np.concatenate([accum, records["acc"]]), np.concatenate([meta, records["meta"]])
+            del records
         order = np.argsort(keys, kind="stable")
         # sorted one array at a time, each unsorted one freed as soon as its copy exists
         out: dict[str, np.ndarray] = {"keys": keys[order]}
@@ -317,49 +366,71 @@ class SparseTable:
         if not self._rows.info()["recording"]:
             return None
         rows = self._rows.track_changes(1)[0]
-        return int(rows), len(self._rows)
+        if self._disk is not None:
+            rows += len(self._disk.written_since(self._disk_mark))
+        return int(rows), len(self)
 
-    def snapshot_members(self, delta: bool = False) -> list[Member]:
+    def snapshot_members(self, delta: bool = False, link_to: Path | None = None) -> list[Member]:
         """What :meth:`snapshot_state` holds, as the members of a streamed .npz: a full snapshot's
         fields are read from the row store in chunks while the file is written, so writing one needs
         no copy of the table (rows in the store's row order, not sorted by key); a delta's are
         its changes (bounded by the caller: a delta of most rows is written full). The changes are
-        taken now; the table must not change until the members are written."""
+        taken now; the table must not change until the members are written. With a disk tier and
+        `link_to`, a full snapshot holds the rows in RAM, and the file of the rows on disk is hard-linked
+        to `link_to` (ps/disk_tier.py: append-only, so the link is the snapshot's as it is now)."""
         if not self._rows.info()["recording"]:
             if delta:
                 raise ValueError("a delta snapshot needs an earlier snapshot or restore to be relative to")
             self._rows.track_changes(0)  # from now on: what the checkpoint below holds is the base
         else:
             self._rows.track_changes(1)
+        if self._disk is not None:
+            self._disk_taken = self._disk.position()
         if delta:
             state = self.snapshot_state(delta=True)
             return [Member.of(k, v) for k, v in state.items()]
+        if self._disk is not None and link_to is not None:
+            return self.row_members(with_disk=False) + self._disk.link_members(link_to)
         return self.row_members()
 
-    def row_members(self) -> list[Member]:
+    def row_members(self, with_disk: bool = True) -> list[Member]:
         """The whole :meth:`state` (unsorted) as streamed .npz members, read from the row store in
-        chunks as they are written; change tracking is left as it is."""
-        members = self._store_members(0, "")
+        chunks as they are written (the rows on disk too, unless not `with_disk`); change tracking is
+        left as it is."""
+        members = self._store_members(0, "", with_disk)
         if self.tracked:
             members.append(Member.of("step", np.array(self._step, dtype=np.int64)))
         if self.admit_after > 1:
             members += self._store_members(1, "candidate_")
         return members
 
-    def _store_members(self, which: int, prefix: str) -> list[Member]:
+    def _store_members(self, which: int, prefix: str, with_disk: bool = True) -> list[Member]:
         rows = which == 0
         n = int(self._rows.info()["rows" if rows else "candidates"])
-        fields: list[tuple[str, Any, tuple[int, ...]]] = [("keys", np.int64, (n,))]
+        on_disk = len(self._disk) if self._disk is not None and rows and with_disk else 0
+        total = n + on_disk
+        fields: list[tuple[str, Any, tuple[int, ...]]] = [("keys", np.int64, (total,))]
         if rows:
             fields += [
-                ("weights", np.float32, (n, self.dim)),
-                ("accumulators", np.float32, (n, self._acc_width)),
+                ("weights", np.float32, (total, self.dim)),
+                ("accumulators", np.float32, (total, self._acc_width)),
             ]
         if self.tracked or not rows:
-            fields += [("counts", np.uint32, (n,)), ("last_seen", np.uint32, (n,))]
+            fields += [("counts", np.uint32, (total,)), ("last_seen", np.uint32, (total,))]
         return [
-            Member(prefix + name, dtype, shape, self._chunks(which, name, n)) for name, dtype, shape in fields
+            Member(prefix + name, dtype, shape, self._all_chunks(which, name, n, on_disk))
+            for name, dtype, shape in fields
         ]
+
+    def _all_chunks(self, which: int, field: str, n: int, on_disk: int) -> Iterator[np.ndarray]:
+        """One field of the RAM tier's `n` rows, then of the `on_disk` rows of the disk tier."""
+        yield from self._chunks(which, field, n)
+        if on_disk and self._disk is not None:
+            for part in self._disk.disk.chunks(SNAPSHOT_CHUNK_ROWS):
+                records = self._disk.disk.read(part)
+                column = {"keys": "key", "weights": "w", "accumulators": "acc"}.get(field, "meta")
+                values = records[column]
+                yield values if column != "meta" else values[:, 0 if field == "counts" else 1]
 
     def _chunks(self, which: int, field: str, n: int) -> Iterator[np.ndarray]:
         """One field of a store's `n` live rows, chunk by chunk, in row order (export_from)."""
@@ -399,11 +470,17 @@ class SparseTable:
             if delta:
                 raise ValueError("a delta snapshot needs an earlier snapshot or restore to be relative to")
             self._rows.track_changes(0)  # from now on: what the checkpoint below holds is the base
+            if self._disk is not None:
+                self._disk_taken = self._disk.position()
             return self.state()
         rows, removed, cand_rows, cand_removed = self._rows.track_changes(1)
+        if self._disk is not None:
+            self._disk_taken = self._disk.position()
         if not delta:
             return self.state()
         out = self._changes(0, rows, removed)
+        if self._disk is not None:
+            self._add_disk_changes(out)
         if self.tracked:
             out["step"] = np.array(self._step, dtype=np.int64)
         if self.admit_after > 1:
@@ -429,10 +506,25 @@ class SparseTable:
         out["removed_keys"] = np.setdiff1d(gone, out["keys"]) if len(gone) else gone
         return out
 
+    def _add_disk_changes(self, out: dict[str, np.ndarray]) -> None:
+        """A delta of a table with a disk tier: also the rows written to disk since the last durable
+        snapshot, and not as removed the keys that only moved between RAM and disk (a spill is a
+        removal to the row store)."""
+        assert self._disk is not None
+        records = self._disk.disk.read(self._disk.written_since(self._disk_mark))
+        out["keys"] = np.concatenate([out["keys"], records["key"]])
+        out["weights"] = np.concatenate([out["weights"], records["w"]])
+        out["accumulators"] = np.concatenate([out["accumulators"], records["acc"]])
+        out["counts"] = np.concatenate([out["counts"], records["meta"][:, 0]])
+        out["last_seen"] = np.concatenate([out["last_seen"], records["meta"][:, 1]])
+        gone = out["removed_keys"]
+        out["removed_keys"] = gone[~self._disk.held(gone)]
+
     def snapshot_durable(self) -> None:
         """The last :meth:`snapshot_state` is committed: its changes are no longer pending."""
         if self._rows.info()["recording"]:
             self._rows.track_changes(2)
+            self._disk_mark = self._disk_taken
 
     def apply_snapshot_changes(self, npz: NpzReader, prefix: str) -> None:
         """Replay a delta snapshot file's members named `prefix` + field (``snapshot_state(delta=True)``)
@@ -447,7 +539,7 @@ class SparseTable:
         if self.admit_after > 1 and prefix + "candidate_keys" in npz.names:
             names = ["candidate_keys", "candidate_counts", "candidate_last_seen"]
             self._load_chunks(1, npz, prefix, names, removed=npz.array(prefix + "candidate_removed_keys"))
-        self._rows.track_changes(0)
+        self._restored()
 
     def load_snapshot(self, npz: NpzReader, prefix: str) -> None:
         """:meth:`load_state` from a full snapshot file's members named `prefix` + field, read in
@@ -461,12 +553,38 @@ class SparseTable:
             )
         counted = self.tracked and prefix + "counts" in npz.names
         fields = ["keys", "weights", "accumulators"] + (["counts", "last_seen"] if counted else [])
-        self._load_chunks(0, npz, prefix, fields)
+        if prefix + "disk_keys" in npz.names:  # the rows on disk are a linked file beside the snapshot
+            self._load_linked(npz, prefix)
+            self._load_chunks(0, npz, prefix, fields, removed=np.zeros(0, dtype=np.int64))
+        else:
+            self._load_chunks(0, npz, prefix, fields)
         if self.admit_after > 1:
             waiting = prefix + "candidate_keys" in npz.names
             names = ["candidate_keys", "candidate_counts", "candidate_last_seen"] if waiting else []
             self._load_chunks(1, npz, prefix, names)
-        self._rows.track_changes(0)  # a restored state is the base of the next delta
+        self._restored()
+
+    def _load_linked(self, npz: NpzReader, prefix: str) -> None:
+        """Empty the table, then take a snapshot's linked rows on disk: as this table's disk tier, or
+        (without one) read into RAM."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._rows.load(0, empty, np.zeros((0, self.dim), np.float32), np.zeros((0, self._acc_width), np.float32), None)
+        if self._disk is not None:
+            self._disk.adopt_linked(npz, prefix)
+            return
+        dtype = record_dtype(self.dim, self._acc_width)
+        for records in read_linked(npz, prefix, dtype, SNAPSHOT_CHUNK_ROWS):
+            meta = np.ascontiguousarray(records["meta"]) if self.tracked else None
+            self._rows.apply(
+                0, np.ascontiguousarray(records["key"]), np.ascontiguousarray(records["w"]),
+                np.ascontiguousarray(records["acc"]), meta, empty,
+            )  # fmt: skip
+
+    def _restored(self) -> None:
+        """A restored state is the base of the next delta (RAM and disk alike)."""
+        self._rows.track_changes(0)
+        if self._disk is not None:
+            self._disk_mark = self._disk_taken = self._disk.position()
 
     def _load_chunks(
         self, which: int, npz: NpzReader, prefix: str, fields: list[str], removed: np.ndarray | None = None
@@ -475,6 +593,11 @@ class SparseTable:
         `fields` (keys first) chunk by chunk."""
         rows = which == 0
         empty = np.zeros(0, dtype=np.int64)
+        if rows and self._disk is not None:
+            if removed is None:
+                self._disk.disk.clear()
+            else:
+                self._disk.removed(removed)
         if removed is None:
             self._rows.load(
                 which,
@@ -508,6 +631,9 @@ class SparseTable:
                 meta,
                 empty,
             )
+            if rows and self._disk is not None:  # the rows set are in RAM now, their records (if any) dead
+                self._disk.removed(np.ascontiguousarray(part["keys"], dtype=np.int64))
+                self._disk.make_room(0, keep_now=False)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the contents with a :meth:`state` (keys must be distinct). Counters missing from
@@ -527,7 +653,11 @@ class SparseTable:
             meta = np.ascontiguousarray(
                 np.stack([state["counts"], state["last_seen"]], axis=1), dtype=np.uint32
             )
+        if self._disk is not None:
+            self._disk.disk.clear()
         self._rows.load(0, keys, weights, accum.reshape(len(keys), self._acc_width), meta)
+        if self._disk is not None:
+            self._disk.make_room(0, keep_now=False)
         if self.admit_after > 1:
             ckeys = np.ascontiguousarray(state.get("candidate_keys", np.zeros(0)), dtype=np.int64)
             cmeta = np.zeros((len(ckeys), 2), dtype=np.uint32)
@@ -537,4 +667,4 @@ class SparseTable:
                     dtype=np.uint32,
                 )
             self._rows.load(1, ckeys, None, None, cmeta)
-        self._rows.track_changes(0)  # a restored state is the base of the next delta
+        self._restored()

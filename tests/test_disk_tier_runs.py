@@ -1,0 +1,93 @@
+"""Training runs on a real local Ray with the PS shards' rows mostly on local disk (table.disk_dir,
+table.ram_mb): the run equals the all-in-RAM run, a shard killed mid-training with rows on disk
+recovers to the same rows, and a run stopped after a checkpoint and resumed equals the uninterrupted
+one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import tiny_sync_job
+
+from heterps_ray.costmodel.plan import load_plan
+from heterps_ray.runtime.checkpoint import load_checkpoint
+from heterps_ray.runtime.driver import train
+
+REPO = Path(__file__).resolve().parents[1]
+PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
+TOTAL, STOP, EVERY = 12, 6, 2
+ATOL = 1e-6  # separate actor sets agree to a few float32 ulps (tests/test_incremental_checkpoints.py)
+RAM_MB = 0.02  # ~230 rows per shard in RAM: most of the table's rows are on disk
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from heterps_ray.data.synth import synthesize
+
+    path = tmp_path_factory.mktemp("disk-tier") / "data"
+    synthesize(path, 2_000, seed=5, rows_per_part=1_000)
+    return path
+
+
+def _job(dataset: Path, output: Path, disk: Path | None):
+    job = tiny_sync_job("disk-tier-test", dataset, output, EVERY)
+    runtime = job.runtime.model_copy(update={"ps_hosting": "actors", "checkpoint_full_every": 2})
+    table = job.table
+    if disk is not None:
+        table = table.model_copy(update={"disk_dir": str(disk), "ram_mb": RAM_MB})
+    return job.model_copy(update={"runtime": runtime, "table": table})
+
+
+def _assert_same_model(a: Path, b: Path) -> None:
+    ca, cb = load_checkpoint(a / "model"), load_checkpoint(b / "model")
+    dense_a, dense_b = ca.net.state_dict(), cb.net.state_dict()
+    for name in dense_a:
+        np.testing.assert_allclose(dense_b[name].numpy(), dense_a[name].numpy(), rtol=0, atol=ATOL, err_msg=name)
+    rows_a, rows_b = ca.table.state(), cb.table.state()
+    np.testing.assert_array_equal(rows_b["keys"], rows_a["keys"])
+    for name in ("weights", "accumulators"):
+        np.testing.assert_allclose(rows_b[name], rows_a[name], rtol=0, atol=ATOL, err_msg=name)
+
+
+def _rows_on_disk(disk: Path) -> int:
+    """Bytes of the shards' disk files: the run did keep rows on disk."""
+    return sum(p.stat().st_size for p in disk.rglob("rows.*.dat"))
+
+
+@pytest.fixture(scope="module")
+def in_ram(ray_local, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("in-ram")
+    return train(_job(dataset, out, None), load_plan(PLAN), steps=TOTAL, progress=False)
+
+
+def test_a_shard_killed_with_rows_on_disk_recovers_and_the_run_equals_all_in_ram(
+    ray_local, dataset, tmp_path, in_ram
+):
+    from fault_injection import PhaseKiller
+
+    disk = tmp_path / "disk"
+    killer = PhaseKiller("ps_shard", "train", "sigkill", at=5, flag_dir=str(tmp_path))
+    summary = train(_job(dataset, tmp_path / "run", disk), load_plan(PLAN), steps=TOTAL, progress=False, on_chunk=killer)
+    (fault,) = summary.extra["faults"]
+    assert 0 < fault["rolled_back_to"] < TOTAL  # a checkpoint with rows on disk was restored
+    assert _rows_on_disk(disk) > 0
+    np.testing.assert_allclose(summary.losses, in_ram.losses, rtol=0, atol=ATOL)
+    _assert_same_model(Path(in_ram.output_dir), tmp_path / "run")
+
+
+def test_a_run_with_rows_on_disk_resumed_after_a_checkpoint_equals_the_uninterrupted_run(
+    ray_local, dataset, tmp_path, in_ram
+):
+    disk, run = tmp_path / "disk", tmp_path / "run"
+    plan = load_plan(PLAN)
+    train(_job(dataset, run, disk), plan, steps=STOP, progress=False)
+    assert _rows_on_disk(disk) > 0
+    # the full checkpoints hold the shards' rows on disk as hard links, not copies
+    linked = list((run / "checkpoints").rglob("ps-shard-*.embedding.rows"))
+    assert linked
+    resumed = train(_job(dataset, run, disk), plan, steps=TOTAL, progress=False, resume=True)
+    assert resumed.extra["resumed_from"]["step"] == STOP
+    np.testing.assert_allclose(resumed.losses, in_ram.losses, rtol=0, atol=ATOL)
+    _assert_same_model(Path(in_ram.output_dir), run)
