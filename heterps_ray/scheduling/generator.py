@@ -12,6 +12,10 @@ some plan reaches; about one problem in ten gets a floor no plan reaches (infeas
 and models with more embedding layers (up to one in ten). The default "classic" catalogue and its
 random stream are unchanged, so problems generated from the same seed stay the same.
 
+`catalogue="gpu_cloud"` is the GPU-cloud suite (issue 40, scheduling/gpu_cloud.py): the GPU types users
+rent at their public prices, a table of 1M..10B rows whose place the cost model prices, a runtime
+section. It has its own random stream; the other catalogues' are unchanged.
+
 Example::
 
     problem = generate_problem(7, num_layers=(3, 30), num_types=(2, 5))
@@ -57,12 +61,16 @@ def generate_problem(
     catalogue: str = "classic",
 ) -> Problem:
     """One random problem; `num_layers` / `num_types` are inclusive ranges (any layers >= 1; 2..7
-    types with the classic catalogue, 2..11 with the wide one).
+    types with the classic catalogue, 2..11 with the wide one, 3..10 with gpu_cloud).
 
     The floor is `floor_fraction` of a throughput some plan reaches, except for a share
     `infeasible_share` of problems whose floor is above every plan's throughput."""
+    if catalogue == "gpu_cloud":
+        from heterps_ray.scheduling.gpu_cloud import generate_gpu_cloud_problem
+
+        return generate_gpu_cloud_problem(rng, num_layers, num_types, name, floor_fraction, infeasible_share)
     if catalogue not in _CATALOGUES:
-        raise ValueError(f"catalogue must be one of {sorted(_CATALOGUES)}, got {catalogue!r}")
+        raise ValueError(f"catalogue must be one of {sorted(_CATALOGUES) + ['gpu_cloud']}, got {catalogue!r}")
     catalog = _CATALOGUES[catalogue]
     if not isinstance(rng, np.random.Generator):
         seed = int(rng)
