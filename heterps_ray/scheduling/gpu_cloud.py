@@ -46,9 +46,10 @@ from typing import Any
 import numpy as np
 
 from heterps_ray.config import ACTOR_RESERVE_GB, DRIVER_GB, OBJECT_STORE_GB
-from heterps_ray.costmodel import Problem, problem_from_dict
+from heterps_ray.costmodel import Problem
 from heterps_ray.costmodel.table_memory import GIB, lru_hit_rate, shards_needed
 from heterps_ray.ps.table import device_row_bytes, device_rows_within, stored_bytes_per_row
+from heterps_ray.scheduling.generator import CPU_PER_SAMPLE_MS, chain_of_layers, layer_entry, with_drawn_floor
 
 OPTIMIZER = "adagrad"  # the sparse rows' optimizer (ps/shard.py's default)
 DIMS = (16, 32, 64, 128)
@@ -161,16 +162,7 @@ def generate_gpu_cloud_problem(
     samples = float(rng.choice([1e8, 1e9, 1e10]))
     zipf = float(rng.uniform(*ZIPF_EXPONENT))
 
-    num_embedding = int(rng.integers(1, max(1, min(max(3, L // 10), L - 1)) + 1)) if L > 1 else 1
-    layers = []
-    for li in range(L):
-        if li < num_embedding:
-            kind = "embedding"
-        elif li == L - 1 and L > num_embedding + 1:
-            kind = "head"
-        else:
-            kind = str(rng.choice(["fc", "fc", "interaction", "attention"]))
-        layers.append(_layer(rng, li, kind, types, dim))
+    layers = chain_of_layers(rng, L, max(3, L // 10), lambda li, kind: _layer(rng, li, kind, types, dim))
     lookups = samples * sum(layer["sparse_rows_per_sample"] for layer in layers)
     table = table_section(rows, dim, types, lookups, zipf)
     resources = [_resource(rng, kind, table["shards_needed"]) for kind in types]
@@ -191,15 +183,7 @@ def generate_gpu_cloud_problem(
         "runtime": runtime_section(types, dim, hosted_fits(table, layers[0])),
         "notes": f"gpu_cloud suite: {rows:,} rows x dim {dim}, Zipf s={zipf:.2f} (heterps_ray/scheduling/gpu_cloud.py)",
     }
-    from heterps_ray.scheduling.exact import throughput_bounds
-
-    lower, upper = throughput_bounds(problem_from_dict(data))  # fast bounds, no exact search
-    if rng.random() < infeasible_share:
-        floor = upper * rng.uniform(1.02, 1.3)  # above the upper bound: surely infeasible
-    else:
-        floor = lower * rng.uniform(*floor_fraction)  # below a reachable throughput: feasible
-    data["throughput_min"] = float(round(floor, 1))
-    return problem_from_dict(data)
+    return with_drawn_floor(rng, data, floor_fraction, infeasible_share)
 
 
 def _checked_kinds(kinds: Sequence[str]) -> list[str]:
@@ -249,14 +233,8 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list[Kind], d
         for k in kinds:
             fixed = cpu[0] if k.device == "cpu" else rng.uniform(0.5, 2.0)
             times[k.name] = (fixed, cpu[1] / jitter(k.memory_speedup, 0.2))
-        return _entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
-    per_sample_cpu = {
-        "fc": (0.01, 0.08),
-        "interaction": (0.005, 0.03),
-        "attention": (0.05, 0.3),
-        "head": (0.001, 0.005),
-    }
-    cpu = (rng.uniform(0.05, 0.3), rng.uniform(*per_sample_cpu[kind]))
+        return layer_entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
+    cpu = (rng.uniform(0.05, 0.3), rng.uniform(*CPU_PER_SAMPLE_MS[kind]))
     gpu_only = kind == "attention" and rng.random() < 0.3
     times = {}
     for k in kinds:
@@ -265,21 +243,7 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list[Kind], d
         fixed = cpu[0] / k.dense_speedup**0.25 if k.device == "cpu" else rng.uniform(0.1, 0.6)
         times[k.name] = (fixed, cpu[1] / jitter(k.dense_speedup, 0.3))
     out_bytes = 4 * int(rng.choice([1, 16, 32, 64, 128, 256, 512, 1024])) if kind != "head" else 4
-    return _entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)
-
-
-def _entry(
-    name: str, out_bytes: int, rows: int, alpha: float, times: dict[str, tuple[float, float]]
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "out_bytes_per_sample": int(out_bytes),
-        "sparse_rows_per_sample": int(rows),
-        "parallel_fraction": round(float(alpha), 4),
-        "time_ms": {
-            t: {"fixed": round(float(f), 4), "per_sample": round(float(p), 6)} for t, (f, p) in times.items()
-        },
-    }
+    return layer_entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)
 
 
 # -- the table ------------------------------------------------------------------------------------
