@@ -32,7 +32,7 @@ kind.
 Example::
 
     problem = generate_gpu_cloud_problem(7, num_layers=(20, 120), num_types=(3, 8))
-    problem.ps.table.gpu_rows            # {"t4": 62_770_000, "h100": ...}
+    problem.ps.table.gpu_rows            # rows each GPU kind of the problem holds: {"l4": ..., "h200": ...}
     same = generate_problem(7, num_layers=(20, 120), num_types=(3, 8), catalogue="gpu_cloud")
 """
 
