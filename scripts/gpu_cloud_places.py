@@ -4,6 +4,7 @@ feasible plan, the table's place (gpu, gpu_cache, ps) as the cost model prices i
 layers on each type and the shards.
 
     python scripts/gpu_cloud_places.py --seeds 0 24 --layers 20 120 --types 3 8 --time-limit-s 30
+    python scripts/gpu_cloud_places.py --floor-fraction 0.01 0.01 --infeasible-share 0   # easy floors
 
 One JSON row per problem on stdout; a count of the places at the end.
 """
@@ -26,12 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", nargs=2, type=int, default=[20, 120], metavar=("MIN", "MAX"))
     parser.add_argument("--types", nargs=2, type=int, default=[3, 8], metavar=("MIN", "MAX"))
     parser.add_argument("--time-limit-s", type=float, default=30.0, help="exact's level walk, per problem")
+    parser.add_argument(
+        "--floor-fraction", nargs=2, type=float, default=[0.05, 1.0], metavar=("LO", "HI"),
+        help="the floor as a share of a reachable throughput (the suite's default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--infeasible-share", type=float, default=0.1, help="share of floors above every plan's"
+    )
     args = parser.parse_args(argv)
     places: Counter[str] = Counter()
     for seed in range(*args.seeds):
         problem = generate_problem(
-            seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue="gpu_cloud"
-        )
+            seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue="gpu_cloud",
+            floor_fraction=tuple(args.floor_fraction), infeasible_share=args.infeasible_share,
+        )  # fmt: skip
         table = problem.ps.table
         assert table is not None and problem.runtime is not None
         started = time.perf_counter()
