@@ -41,7 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--catalogue",
         default="classic",
-        help="generator catalogue: classic, or wide (issue 16: up to 11 types)",
+        help="generator catalogue: classic, wide (issue 16: up to 11 types), or gpu_cloud (issue 40: the GPU "
+        "types users rent, a table whose place is priced, a runtime section)",
+    )
+    parser.add_argument(
+        "--exact-time-limit-s",
+        type=float,
+        default=None,
+        help="exact's level-walk time limit per problem (default: none); a row says whether exact proved it",
     )
     parser.add_argument("--modes", default="zero-shot", help="comma-separated: zero-shot, finetune, train")
     parser.add_argument(
@@ -107,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             key = problem_fingerprint(problem)
             if key not in cache:
-                exact = get_scheduler("exact").schedule(problem)
-                cache[key] = {"cost": _cost(exact), "seconds": exact.seconds}
+                exact = get_scheduler("exact", budget_s=args.exact_time_limit_s).schedule(problem)
+                proof = exact.extra.get("proof", {})
+                cache[key] = {"cost": _cost(exact), "seconds": exact.seconds, "proven": proof.get("proven")}
                 if args.exact_cache is not None:
                     args.exact_cache.write_text(json.dumps(cache, indent=1) + "\n")
             row: dict[str, Any] = {
@@ -117,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 "types": problem.num_types,
                 "exact": cache[key]["cost"],
                 "exact_s": cache[key]["seconds"],
+                "exact_proven": cache[key].get("proven"),
             }
             for name in baselines:
                 try:
@@ -177,7 +186,9 @@ def _cost(plan: Any) -> float | None:
 
 def _progress(row: dict[str, Any]) -> str:
     exact = row["exact"]
-    parts = [f"seed {row['seed']} L={row['layers']} T={row['types']}"]
+    parts = [f"seed {row['seed']} L={row['layers']} T={row['types']} exact {row['exact_s']:.2f} s"]
+    if row.get("exact_proven") is False:
+        parts.append("(not proven)")
     for key, value in row.items():
         if key.startswith(("rl-", "greedy", "genetic", "random")) and not key.endswith(
             ("_s", "_source", "_iterations")
@@ -201,6 +212,17 @@ def _markdown(rows: list[dict[str, Any]], columns: list[str], command: str, args
         "| scheduler | median cost / exact | worst | feasible when exact is | median s | max s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    exact_s = [r["exact_s"] for r in rows]
+    if exact_s:
+        lines.append(
+            f"| exact | 1.0000 | 1.0000 | {len(feasible)}/{len(feasible)} | {statistics.median(exact_s):.2f} | "
+            f"{max(exact_s):.2f} |"
+        )
+    proven = [r.get("exact_proven") for r in rows]
+    if any(p is not None for p in proven):  # after the line that counts the problems
+        lines[3] += (
+            f" Exact proved {sum(p is True for p in proven)} of {len(rows)} (the others: its time limit)."
+        )
     for column in columns:
         ratios = [r[column] / r["exact"] for r in feasible if r.get(column) is not None and r["exact"] > 0]
         found = sum(1 for r in feasible if r.get(column) is not None)

@@ -12,6 +12,10 @@ some plan reaches; about one problem in ten gets a floor no plan reaches (infeas
 and models with more embedding layers (up to one in ten). The default "classic" catalogue and its
 random stream are unchanged, so problems generated from the same seed stay the same.
 
+`catalogue="gpu_cloud"` is the GPU-cloud suite (issue 40, scheduling/gpu_cloud.py): the GPU types users
+rent at their public prices, a table of 1M..10B rows whose place the cost model prices, a runtime
+section. It has its own random stream; the other catalogues' are unchanged.
+
 Example::
 
     problem = generate_problem(7, num_layers=(3, 30), num_types=(2, 5))
@@ -20,6 +24,8 @@ Example::
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,12 +63,16 @@ def generate_problem(
     catalogue: str = "classic",
 ) -> Problem:
     """One random problem; `num_layers` / `num_types` are inclusive ranges (any layers >= 1; 2..7
-    types with the classic catalogue, 2..11 with the wide one).
+    types with the classic catalogue, 2..11 with the wide one, 3..10 with gpu_cloud).
 
     The floor is `floor_fraction` of a throughput some plan reaches, except for a share
     `infeasible_share` of problems whose floor is above every plan's throughput."""
+    if catalogue == "gpu_cloud":
+        from heterps_ray.scheduling.gpu_cloud import generate_gpu_cloud_problem
+
+        return generate_gpu_cloud_problem(rng, num_layers, num_types, name, floor_fraction, infeasible_share)
     if catalogue not in _CATALOGUES:
-        raise ValueError(f"catalogue must be one of {sorted(_CATALOGUES)}, got {catalogue!r}")
+        raise ValueError(f"catalogue must be one of {sorted(_CATALOGUES) + ['gpu_cloud']}, got {catalogue!r}")
     catalog = _CATALOGUES[catalogue]
     if not isinstance(rng, np.random.Generator):
         seed = int(rng)
@@ -104,16 +114,7 @@ def generate_problem(
         )
 
     most_embedding = 3 if catalogue == "classic" else max(3, L // 10)
-    num_embedding = int(rng.integers(1, max(1, min(most_embedding, L - 1)) + 1)) if L > 1 else 1
-    layers = []
-    for li in range(L):
-        if li < num_embedding:
-            kind = "embedding"
-        elif li == L - 1 and L > num_embedding + 1:
-            kind = "head"
-        else:
-            kind = str(rng.choice(["fc", "fc", "interaction", "attention"]))
-        layers.append(_layer(rng, li, kind, kinds, jitter))
+    layers = chain_of_layers(rng, L, most_embedding, lambda li, kind: _layer(rng, li, kind, kinds, jitter))
     data = {
         "name": name or "generated",
         "batch_size": batch_size,
@@ -128,15 +129,51 @@ def generate_problem(
         },
         "layers": layers,
     }
+    return with_drawn_floor(rng, data, floor_fraction, infeasible_share)
+
+
+def chain_of_layers(
+    rng: np.random.Generator, num_layers: int, most_embedding: int, make: Callable[[int, str], dict]
+) -> list[dict]:
+    """A CTR-like chain of `num_layers` layer entries: 1..most_embedding embedding layers first, then fc,
+    interaction and attention layers, a head last; `make(index, kind)` draws each entry."""
+    L = num_layers
+    num_embedding = int(rng.integers(1, max(1, min(most_embedding, L - 1)) + 1)) if L > 1 else 1
+    layers = []
+    for li in range(L):
+        if li < num_embedding:
+            kind = "embedding"
+        elif li == L - 1 and L > num_embedding + 1:
+            kind = "head"
+        else:
+            kind = str(rng.choice(["fc", "fc", "interaction", "attention"]))
+        layers.append(make(li, kind))
+    return layers
+
+
+def with_drawn_floor(
+    rng: np.random.Generator, data: dict, floor_fraction: tuple[float, float], infeasible_share: float
+) -> Problem:
+    """The problem of mapping `data` with a floor: `floor_fraction` of a throughput some plan reaches, or
+    for a share `infeasible_share` above every plan's (exact.throughput_bounds: fast, no exact search)."""
     from heterps_ray.scheduling.exact import throughput_bounds
 
-    lower, upper = throughput_bounds(problem_from_dict(data))  # fast bounds, no exact search
+    lower, upper = throughput_bounds(problem_from_dict(data))
     if rng.random() < infeasible_share:
         floor = upper * rng.uniform(1.02, 1.3)  # above the upper bound: surely infeasible
     else:
         floor = lower * rng.uniform(*floor_fraction)  # below a reachable throughput: feasible
     data["throughput_min"] = float(round(floor, 1))
     return problem_from_dict(data)
+
+
+# A CPU node's ms per sample of each kind of dense layer (a range the generators draw from).
+CPU_PER_SAMPLE_MS = {
+    "fc": (0.01, 0.08),
+    "interaction": (0.005, 0.03),
+    "attention": (0.05, 0.3),
+    "head": (0.001, 0.005),
+}
 
 
 def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter) -> dict:
@@ -150,14 +187,8 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter)
                 times[name] = (cpu[0] / jitter(1.3), cpu[1] / jitter(memory_speedup, 0.2))
             elif big_tables or rng.random() < 0.4:
                 times[name] = (rng.uniform(0.5, 2.0), cpu[1] / jitter(memory_speedup, 0.4))
-        return _entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
-    per_sample_cpu = {
-        "fc": (0.01, 0.08),
-        "interaction": (0.005, 0.03),
-        "attention": (0.05, 0.3),
-        "head": (0.001, 0.005),
-    }
-    cpu = (rng.uniform(0.05, 0.3), rng.uniform(*per_sample_cpu[kind]))
+        return layer_entry(f"emb{index}", slots * dim * 4, slots, rng.uniform(0.9, 0.99), times)
+    cpu = (rng.uniform(0.05, 0.3), rng.uniform(*CPU_PER_SAMPLE_MS[kind]))
     times = {} if kind == "attention" and rng.random() < 0.3 else {"cpu": cpu}
     for name, _, dense_speedup, _, _ in kinds:
         if name in _CPU_KINDS:
@@ -166,10 +197,11 @@ def _layer(rng: np.random.Generator, index: int, kind: str, kinds: list, jitter)
             continue
         times[name] = (rng.uniform(0.1, 0.6), cpu[1] / jitter(dense_speedup, 0.4))
     out_bytes = 4 * int(rng.choice([1, 16, 32, 64, 128, 256, 512, 1024])) if kind != "head" else 4
-    return _entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)
+    return layer_entry(f"{kind}{index}", out_bytes, 0, rng.uniform(0.9, 0.999), times)
 
 
-def _entry(name: str, out_bytes: int, rows: int, alpha: float, times: dict) -> dict:
+def layer_entry(name: str, out_bytes: int, rows: int, alpha: float, times: dict) -> dict:
+    """A layer's problem-file entry; `times` maps each type to (fixed ms, ms per sample)."""
     return {
         "name": name,
         "out_bytes_per_sample": int(out_bytes),
