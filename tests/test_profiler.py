@@ -208,9 +208,14 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
         if idle.cores < 0.2:
             break
     ray_local.get(spin.remote(0.01))  # the worker that runs it is up before the window opens
-    with OtherWork() as own:  # a task of this cluster: its own work
-        ray_local.get(spin.remote(1.0))
-    assert own.cores < 0.5, (own.cores, idle.cores)
+    owns = []
+    for _ in range(3):  # a task of this cluster: its own work. Counted as other work it reads ~1 core in
+        with OtherWork() as own:  # every window; a burst outside the cluster (an earlier test's Ray
+            ray_local.get(spin.remote(1.0))  # winding down) lands in one window at most: the least
+        owns.append(own.cores)
+        if own.cores < 0.5:
+            break
+    assert min(owns) < 0.5, (owns, idle.cores)
     # a process outside it: started by a shell that exits at once, so it is no descendant of this one
     code = "import time\nend = time.perf_counter() + 1.5\nwhile time.perf_counter() < end: pass"
     subprocess.run(["sh", "-c", f'{sys.executable} -c "{code}" &'], check=True)

@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +45,7 @@ import torch
 
 from heterps_ray.ps._rows import Rows as _Rows
 from heterps_ray.ps.table import ADAGRAD_EPS, device_rows_within
+from heterps_ray.ps.tier_stats import TierStats
 
 if TYPE_CHECKING:
     from heterps_ray.ps.shard import PSClient, TableSpec
@@ -139,23 +139,6 @@ class _Writing:
         with self.index._cond:
             self.index._writing = False
             self.index._cond.notify_all()
-
-
-@dataclass
-class TierStats:
-    """What the tier did: key lookups served from GPU memory (hits) or not (misses), rows fetched from
-    the shards, written back to them and evicted."""
-
-    hits: int = 0
-    misses: int = 0
-    fetched: int = 0
-    written_back: int = 0
-    evicted: int = 0
-
-    @property
-    def hit_rate(self) -> float | None:
-        looked = self.hits + self.misses
-        return self.hits / looked if looked else None
 
 
 class DeviceTable:

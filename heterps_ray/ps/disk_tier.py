@@ -34,7 +34,6 @@ import ctypes
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ import numpy as np
 from heterps_ray.errors import DataError
 from heterps_ray.ps._rows import pread_records
 from heterps_ray.ps.atomic import Member, NpzReader
+from heterps_ray.ps.tier_stats import TierStats
 
 # The file of a table's records in its directory; a compaction starts the next generation.
 _FILE = "rows.{generation}.dat"
@@ -55,23 +55,6 @@ _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter (malloc.h)
 # Compact when the file holds this many times the live records (and at least this many records).
 _COMPACT_RATIO = 3.0
 _COMPACT_MIN_RECORDS = 1 << 16
-
-
-@dataclass
-class DiskStats:
-    """What the disk tier did, in the GPU tier's words (ps/device_table.TierStats): keys a call found
-    in RAM (hits) or on disk (misses, each a row read back), rows written to disk and evicted from
-    RAM (every evicted row is written back: a row's only copy is in one of the two)."""
-
-    hits: int = 0
-    misses: int = 0
-    written_back: int = 0
-    evicted: int = 0
-
-    @property
-    def hit_rate(self) -> float | None:
-        looked = self.hits + self.misses
-        return self.hits / looked if looked else None
 
 
 def record_dtype(dim: int, acc_width: int) -> np.dtype:
@@ -271,7 +254,7 @@ class DiskTier:
         self.index_outgrew = False  # True once the index left the RAM tier only its floor
         _return_freed_memory()
         self.disk = DiskRows(directory, record_dtype(dim, acc_width))
-        self.stats = DiskStats()
+        self.stats = TierStats()  # misses: rows read back from disk (also fetched)
         # spill 1/16 below the budget at a time, as the row cap does: the scan for the least recent
         # rows then runs once per ram_rows/16 new rows
         self._slack = max(1, ram_rows // 16)
@@ -338,6 +321,7 @@ class DiskTier:
         self.rows.insert(records.view(np.uint8))
         self.disk.forget(pos)
         self.stats.misses += len(pos)
+        self.stats.fetched += len(pos)
 
     def fill(self, keys: np.ndarray, out: np.ndarray) -> None:
         """A pull that creates nothing (evaluation) read the RAM tier into `out`; the rows of `keys`
