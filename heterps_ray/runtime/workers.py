@@ -153,8 +153,6 @@ class DataWorker(StageActor):
         self._fwd_q: deque[_MicroBatch] = deque()
         self._bwd_q: deque[_MicroBatch] = deque()
         self._done: list[tuple[int, Any]] = []  # (batch, weighted loss) of retired micro-batches
-        self._wait_s = 0.0  # blocked on gradients coming back
-        self._read_wait_s = 0.0  # blocked on the reader thread
         self._peak_in_flight = 0
         self._samples = 0
         self._metrics = Metrics("data", 0, index)
@@ -192,10 +190,8 @@ class DataWorker(StageActor):
         first_batch = self._batch_index
         exhausted = False
         for _ in range(steps):
-            t_read = time.perf_counter()
-            with self._clock("read"):
+            with self._clock("read"):  # blocked on the reader thread
                 item = next(self._batches, None)
-            self._read_wait_s += time.perf_counter() - t_read
             if item is None:
                 exhausted = True
                 break
@@ -372,10 +368,8 @@ class DataWorker(StageActor):
     def _finish(self, item: _MicroBatch) -> None:
         assert item.stash is not None
         if self.downstream:
-            t0 = time.perf_counter()
-            with self._clock("wait"):
+            with self._clock("wait"):  # blocked on gradients coming back
                 grads, item.loss = ray.get([item.grad_ref, item.loss_ref])
-            self._wait_s += time.perf_counter() - t0
             with self._busy, self._clock("compute"):
                 self.compute.backward(item.stash, grads)
         with self._busy:
@@ -432,8 +426,8 @@ class DataWorker(StageActor):
             "stage": 0,
             "replica": self.index,
             "busy_s": self._busy.busy_s,
-            "wait_s": self._wait_s,
-            "read_wait_s": self._read_wait_s,
+            "wait_s": self._clock.seconds.get("wait", 0.0),
+            "read_wait_s": self._clock.seconds.get("read", 0.0),
             "phase_s": dict(self._clock.seconds),
             "samples": self._samples,
             "peak_pending": self._peak_in_flight,
