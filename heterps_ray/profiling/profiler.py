@@ -118,7 +118,9 @@ class ProfileSettings:
 
     @classmethod
     def quick(cls, **overrides: Any) -> ProfileSettings:
-        """A fast, rough profile (2 rounds, short runs, fewer sizes): for smoke tests, not for planning."""
+        """A fast, rough profile (2 rounds, short runs, fewer sizes): for smoke tests, not for planning.
+        The input read stays whole (one chunk, a warm repeat): a shorter one times a chunk's conversion
+        against a fraction of its rows, and a cold one the start-up (each 30x slow as a read rate)."""
         fields: dict[str, Any] = {
             "repeats": 2,
             "warmup": 1,
@@ -127,11 +129,9 @@ class ProfileSettings:
             "transfer_bytes": (4 << 10, 256 << 10, 1 << 20),
             "ps_calls": 4,
             "ps_repeats": 1,
-            "input_rows": 2048,
             "host_window_s": 0.3,
             "host_calls": 50,
             "call_count": 20,
-            "input_repeats": 1,
             "probe_steps": None,
             "probe_repeats": 2,
         }
