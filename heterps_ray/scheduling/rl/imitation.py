@@ -189,25 +189,12 @@ Step = tuple[list[dict[str, np.ndarray]], list[int], list[int]]  # per episode: 
 def _episodes(
     module: Any, view: ProblemView, pad: int, samples: int, temperature: float, rng: np.random.Generator
 ) -> tuple[list[SchedulingEnv], list[Step]]:
-    """The policy's greedy episode and `samples` episodes sampled at `temperature`, played in lockstep:
+    """The policy's greedy episode and `samples` episodes sampled at `temperature` (scheduler.play_out):
     the finished envs (their `assignment`s) and, per layer, what each episode saw and did."""
-    import torch
-
     envs = [SchedulingEnv({"problem": view.problem, "pad_types": pad}) for _ in range(samples + 1)]
     current = [env.reset(options={"problem": view})[0] for env in envs]
     steps: list[Step] = []
-    for _ in range(view.num_layers):
-        batch = {k: torch.as_tensor(np.stack([o[k] for o in current])) for k in current[0]}
-        with torch.no_grad():
-            z = module.logits(batch).double().numpy()
-        greedy = [int(np.argmax(row)) for row in z]
-        chosen = greedy[:1]
-        for row in z[1:]:
-            y = row / temperature
-            q = np.exp(y - y.max())
-            chosen.append(int(rng.choice(len(q), p=q / q.sum())))
-        steps.append((current, greedy, chosen))
-        current = [env.step(a)[0] for env, a in zip(envs, chosen, strict=True)]
+    play_out(module, view, envs, current, rng, temperature, trace=steps)
     return envs, steps
 
 

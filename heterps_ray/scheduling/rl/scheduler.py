@@ -513,9 +513,11 @@ def play_out(
     rng: np.random.Generator,
     temperature: float = 1.0,
     greedy: int = 1,
+    trace: list[tuple[list, list[int], list[int]]] | None = None,
 ) -> list[EpisodeResult]:
     """Play `envs` (all at the same layer of `view`, `observations` their current ones) to the end in
-    lockstep: the first `greedy` by the policy's greedy type, the others sampled at `temperature`."""
+    lockstep: the first `greedy` by the policy's greedy type, the others sampled at `temperature`.
+    `trace`: per layer, (what each episode saw, each one's greedy type, the type it took) is appended."""
     threads = None
     if isinstance(module, NumpyPolicy):
         score = module.logits
@@ -533,6 +535,8 @@ def play_out(
             probabilities = z / z.sum(axis=-1, keepdims=True)
             actions = [int(np.argmax(p)) for p in probabilities[:greedy]]
             actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[greedy:]]
+            if trace is not None:
+                trace.append((observations, [int(np.argmax(p)) for p in probabilities], actions))
             observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
     finally:
         if threads is not None:
