@@ -261,3 +261,15 @@ def test_reference_reaches_the_achievable_auc_on_1m_synthetic_rows(tmp_path):
     )
     assert history["steps"] == dataset.num_rows("train") // 512
     assert metrics["auc"] >= achievable - 0.02
+
+
+def test_the_machines_reference_rate_synthesises_a_fresh_jobs_data_first(tmp_path):
+    """price_one_stage.py --take on a fresh clone: the plain loop beside each profile reads the job's
+    data, which `heterps run` would have synthesised; the rate makes it the same way."""
+    from heterps_ray.config import load_job
+    from heterps_ray.data.dataset import Dataset
+    from heterps_ray.runtime.reference import WARMUP_STEPS, reference_rate
+
+    job = load_job(_write_job(tmp_path))
+    assert reference_rate(job, steps=5, threads=1) > 0.0
+    assert Dataset(tmp_path / "data").num_rows("train") == 2700 >= (WARMUP_STEPS + 5) * 64

@@ -203,12 +203,12 @@ def reference_rate(job: JobConfig, steps: int, threads: int = 2) -> float:
     """samples/s of the reference trainer (the job's model and optimizers, `threads` torch threads) on
     the job's training data, over `steps` batches after WARMUP_STEPS: the plain one-process loop the
     benchmarks compare with (scripts/bench_floors.py) and the machine's speed beside a profile
-    (scripts/price_one_stage.py)."""
-    from heterps_ray.data.dataset import Dataset
+    (scripts/price_one_stage.py). The data is synthesised first where the job's directory has none."""
+    from heterps_ray.data.dataset import prepare_dataset
 
     torch.set_num_threads(threads)
     trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
-    batches = Dataset(job.data.path).iter_batches("train", job.batch_size)
+    batches = prepare_dataset(job.data, seed=job.seed).iter_batches("train", job.batch_size)
     for _ in range(WARMUP_STEPS):
         trainer.train_step(next(batches))
     started = time.perf_counter()
