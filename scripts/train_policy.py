@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         "--wide-layers", default="20,120", help="inclusive range of layers of the wide problems"
     )
     parser.add_argument("--wide-types", default="3,8", help="inclusive range of types of the wide problems")
+    parser.add_argument(
+        "--gpu-cloud", type=int, default=0, help="GPU-cloud problems added to the pool (the wide sizes)"
+    )
     parser.add_argument("--out", type=Path, default=PRETRAINED_DIR, help="where policy.pt / policy.json go")
     parser.add_argument("--save-every", type=int, default=10, help="iterations between saves")
     parser.add_argument(
@@ -249,16 +252,25 @@ def _imitate(args: argparse.Namespace, command: str) -> int:
         wide=args.wide,
         wide_layers=_int_range(args.wide_layers),
         wide_types=_int_range(args.wide_types),
+        gpu_cloud=args.gpu_cloud,
     )
-    # every k-th problem gets the runtime section (the true model, DESIGN.md §3b)
+    # every k-th classic or wide problem gets the runtime section (the true model, DESIGN.md §3b); the
+    # GPU-cloud ones have theirs
     every = round(1.0 / args.runtime_share) if args.runtime_share > 0 else 0
-    pool = [with_runtime_section(p) if every and i % every == every - 1 else p for i, p in enumerate(pool)]
+    plain = args.pool + args.wide
+    pool = [
+        with_runtime_section(p) if every and i < plain and i % every == every - 1 else p
+        for i, p in enumerate(pool)
+    ]
     labels = json.loads(args.labels.read_text()) if args.labels.exists() else {}
     deadline = math.inf if args.label_minutes is None else time.perf_counter() + 60.0 * args.label_minutes
     labelled = [p for p in pool if problem_fingerprint(p) in labels]
     # label the classic and the wide problems in step, so a --label-minutes cut leaves both kinds
+    starts = (0, args.pool, plain, len(pool))
     share = [
-        i / args.pool if i < args.pool else (i - args.pool) / max(args.wide, 1) for i in range(len(pool))
+        (i - starts[k]) / max(starts[k + 1] - starts[k], 1)
+        for k in range(3)
+        for i in range(starts[k], starts[k + 1])
     ]
     for problem in [pool[i] for i in sorted(range(len(pool)), key=share.__getitem__)]:
         if problem_fingerprint(problem) in labels:

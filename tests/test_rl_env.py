@@ -164,3 +164,42 @@ def test_env_refuses_a_problem_wider_than_its_padding():
     env = SchedulingEnv({"problem": problem})  # without a pad: exactly its 9 types
     obs, _ = env.reset(seed=0)
     assert obs["type_features"].shape == (9, len(TYPE_FEATURES))
+
+
+def test_the_runtime_terms_and_the_tables_place_show_in_the_observation():
+    """What decides plans at size and the base model's features leave out: a GPU-cloud problem (async,
+    4 micro-batches, shards hosted by one-replica plans) observes its call cost, micro-batches and hosting,
+    and per GPU type whether a plan starting there keeps the table in its memory (the share of lookups it
+    serves, as the cost model prices it) and how much of that memory the table takes; a problem without a
+    runtime section observes zeros there, and the instance limits ahead in both."""
+    from heterps_ray.costmodel.runtime_terms import table_rate
+
+    problem = generate_problem(5, num_layers=(20, 30), num_types=(4, 6), catalogue="gpu_cloud")
+    terms = problem.runtime
+    assert terms is not None and terms.ps_hosting == "auto" and terms.mode == "async"
+    obs, _ = SchedulingEnv({"problem": problem}).reset(seed=0)
+    types, context = obs["type_features"], dict(zip(CONTEXT_FEATURES, obs["context"], strict=True))
+    column = {name: types[:, TYPE_FEATURES.index(name)] for name in TYPE_FEATURES}
+    assert context["runtime"] == 1.0 and context["asynchronous"] == 1.0 and context["hosting"] == 1.0
+    assert context["micro_batches"] == pytest.approx(np.log2(terms.micro_batches) / 4.0)
+    assert (column["call_cost"] > 0).all()
+    places = [table_rate(problem, terms, r.name, hosted=True) for r in problem.resources]
+    on_gpu = [p.place != "ps" for p in places]
+    assert any(on_gpu) and not all(
+        on_gpu
+    )  # the problem has both: a type that holds the table and one that cannot
+    for t, place in enumerate(places):
+        assert column["table_gpu"][t] == pytest.approx(place.hit_rate if on_gpu[t] else 0.0, abs=1e-6)
+        assert (column["table_memory"][t] > 0) == (
+            problem.ps.table.gpu_rows.get(problem.resources[t].name, 0) > 0
+        )
+    # the table costs a stage 0 less per batch where its rows sit in that GPU's memory than on the shards
+    assert min(column["table_ms"][on_gpu]) < min(column["table_ms"][np.logical_not(on_gpu)])
+
+    base, _ = SchedulingEnv({"problem": _tiny_problem()}).reset(seed=0)
+    runtime_columns = [TYPE_FEATURES.index(n) for n in ("call_cost", "table_gpu", "table_ms", "table_memory")]
+    assert not base["type_features"][:, runtime_columns].any() and not base["context"][-4:].any()
+    # the limits ahead (budget 100 ms a batch): the rest on cpu needs 3.5 replicas of its 8 instances,
+    # what the gpu can run of it (fc) 0.05 of its 2
+    ahead = base["type_features"][:, TYPE_FEATURES.index("limits_ahead")]
+    np.testing.assert_allclose(ahead, np.log1p([3.5 / 8, 0.05 / 2]), rtol=1e-6)

@@ -41,6 +41,14 @@ def test_training_pool_validation_set_and_benchmark_problems_never_overlap():
     assert [problem_fingerprint(p) for p in training_pool(3, seed=0)] == [
         problem_fingerprint(p) for p in training_pool(15, seed=0)[:3]
     ]
+    # the pool's GPU-cloud problems are never the GPU-cloud suite's (seeds 0-23, BENCHMARKS.md)
+    clouds = training_pool(0, seed=0, wide_layers=(20, 40), gpu_cloud=3)
+    suite = {
+        problem_fingerprint(generate_problem(s, num_layers=(20, 40), num_types=(3, 8), catalogue="gpu_cloud"))
+        for s in range(24)
+    }
+    assert len(clouds) == 3 and all(p.runtime is not None for p in clouds)
+    assert not {problem_fingerprint(p) for p in clouds} & suite
 
 
 def test_policy_only_score_is_the_best_rollout_over_the_exact_optimum():

@@ -99,6 +99,39 @@ def test_an_old_policy_upgraded_with_the_set_encoder_scores_as_before():
         np.testing.assert_allclose(_logits(network, obs), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_policy_trained_before_newer_features_loads_and_scores_as_it_did(tmp_path):
+    """A policy saved with fewer features (an older version's observation) loads with zero weights for
+    the ones added since: on a GPU-cloud problem, whose new features are not zero, both the torch and the
+    numpy network give the old network's logits on the old observation. A feature this version lacks is
+    refused, naming it."""
+    import json
+
+    from heterps_ray.errors import ConfigError
+    from heterps_ray.scheduling.rl.policy import load_planning_policy
+
+    old_types = [n for n in TYPE_FEATURES if n not in ("call_cost", "table_gpu", "table_ms")]
+    old_context = [n for n in CONTEXT_FEATURES if n not in ("micro_batches", "hosting")]
+    keep_t = [TYPE_FEATURES.index(n) for n in old_types]
+    keep_c = [CONTEXT_FEATURES.index(n) for n in old_context]
+    old = PolicyNetwork(len(old_types), len(old_context), hidden=16, set_hidden=8)
+    torch.manual_seed(3)
+    save_policy(old, tmp_path, {"hidden": 16, "set_hidden": 8, "type_features": old_types,
+                                "context_features": old_context})  # fmt: skip
+    problem = generate_problem(5, num_layers=(20, 30), num_types=(4, 6), catalogue="gpu_cloud")
+    torch_policy, numpy_policy = load_policy(tmp_path), load_planning_policy(tmp_path)
+    for obs in _observations(problem):
+        assert obs["type_features"][:, TYPE_FEATURES.index("table_ms")].any() and obs["context"][keep_c].any()
+        narrow = dict(obs, type_features=obs["type_features"][:, keep_t], context=obs["context"][keep_c])
+        expected = _logits(old, narrow)
+        np.testing.assert_allclose(_logits(torch_policy, obs), expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(numpy_policy.logits({k: v[None] for k, v in obs.items()})[0], expected,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    meta = json.loads((tmp_path / "policy.json").read_text())
+    (tmp_path / "policy.json").write_text(json.dumps(meta | {"type_features": [*old_types, "gpu_color"]}))
+    with pytest.raises(ConfigError, match="gpu_color"):
+        load_policy(tmp_path)
+
+
 def test_shipped_policy_plans_eleven_types_and_a_hundred_layers():
     problem = generate_problem(3, num_layers=(100, 100), num_types=(11, 11), catalogue="wide")
     plan = RLScheduler().schedule(problem)

@@ -69,6 +69,12 @@ TYPE_FEATURES = (
     "used",  # instances already committed on t / max_instances
     "headroom",  # (max_instances - committed - needed by this choice) / max_instances, clipped
     "marginal_rate",  # estimated $/h this choice adds / rate_scale
+    # the runtime terms (DESIGN.md §3b; all zero for a problem without them) and the table's place
+    "call_cost",  # log1p(one call's round trip to a stage on t / budget)
+    "limits_ahead",  # log1p(replicas the remaining layers would need on t at alpha = 1 / max_instances)
+    "table_gpu",  # share of lookups t's GPU memory serves when a one-replica plan starts on t (0: shards)
+    "table_ms",  # log1p(the table's ms per batch to a stage 0 on t, hosting its shards / budget)
+    "table_memory",  # log1p(the table's rows / the rows t's GPU memory holds; 0: no GPU tier)
 )
 CONTEXT_FEATURES = (
     "progress",  # layers done / layers
@@ -79,8 +85,14 @@ CONTEXT_FEATURES = (
     "stage_alpha",  # alpha of the current stage so far (1 when none)
     "stage_length",  # layers in the current stage / layers
     "stage_replicas",  # log1p(replicas the current stage needs so far)
+    "runtime",  # the problem has runtime terms
+    "asynchronous",  # its runtime trains async
+    "micro_batches",  # log2(micro-batches per batch) / 4
+    "hosting",  # a one-replica plan hosts its shards in the DataWorker (ps_hosting auto)
 )
 _STATIC = 16  # the first _STATIC type features are static per problem
+_DYNAMIC = 7  # then this many that depend on the decisions so far; the rest (_runtime_features) are static
+_BASE_CONTEXT = 8  # the context features before the runtime's
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,7 @@ class ProblemView:
         self.rate_scale = self._rate_lower_bound()
         self.reference_cost = self._reference_cost()
         self.static = self._static_features()  # [L, T, _STATIC]
+        self.runtime_static, self.runtime_context = self._runtime_features()
         self.mask = model.runnable.astype(np.float32)  # [L, T]
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -257,6 +270,35 @@ class ProblemView:
         f[0, :T, 14] = np.log1p(m.input_ms / budget)
         f[:, m.ps_type, 15] = 1.0
         return np.clip(f, -_OBS_CLIP, _OBS_CLIP)
+
+    def _runtime_features(self) -> tuple[np.ndarray, np.ndarray]:
+        """The static type features after the dynamic ones ([L, T, n]) and the runtime's context: what
+        decides plans at size that the base model's features leave out (calls, micro-batches, hosting,
+        the instance limits ahead, the table's place and the GPU memory it takes)."""
+        from heterps_ray.costmodel.runtime_terms import call_ms, table_rate
+
+        m, L, T, problem = self.model, self.num_layers, self.num_types, self.problem
+        n = len(TYPE_FEATURES) - _STATIC - _DYNAMIC
+        f = np.zeros((L, T, n))
+        rest = np.cumsum(np.where(m.runnable, m.compute_ms, 0.0)[::-1], axis=0)[::-1] / self.scale_ms
+        f[:, :, 1] = np.log1p(rest / m.max_instances[None, :])
+        terms = problem.runtime
+        context = np.zeros(len(CONTEXT_FEATURES) - _BASE_CONTEXT)
+        if terms is None:
+            return np.clip(f, -_OBS_CLIP, _OBS_CLIP), context
+        table = problem.ps.table
+        rows_per_batch = m.rows_per_sample * m.batch_size
+        for t, resource in enumerate(problem.resources):
+            f[:, t, 0] = math.log1p(call_ms(problem, terms, resource.name) / self.scale_ms)
+            if terms.ps_hosting == "auto":
+                place = table_rate(problem, terms, resource.name, hosted=True)
+                f[:, t, 2] = place.hit_rate if place.place != "ps" else 0.0
+                f[:, t, 3] = math.log1p(place.ms_per_row * rows_per_batch / self.scale_ms)
+            if table is not None and table.gpu_rows.get(resource.name, 0) > 0:
+                f[:, t, 4] = math.log1p(table.rows / table.gpu_rows[resource.name])
+        context[:] = (1.0, float(terms.mode == "async"), math.log2(terms.micro_batches) / 4.0,
+                      float(terms.ps_hosting == "auto"))  # fmt: skip
+        return np.clip(f, -_OBS_CLIP, _OBS_CLIP), context
 
 
 def replicas_needed(tau_ms: float, alpha: float, budget_ms: float) -> float:
@@ -410,6 +452,7 @@ class SchedulingEnv(gym.Env):
         T = v.num_types
         mask[:T] = v.mask[layer]
         features[:T, :_STATIC] = v.static[layer]
+        features[:T, _STATIC + _DYNAMIC :] = v.runtime_static[layer]
         scale = v.scale_ms
         alpha_l = float(m.parallel_fraction[layer])
         stage_alpha = self._stage_alpha()
@@ -460,6 +503,7 @@ class SchedulingEnv(gym.Env):
             stage_alpha,
             (layer - self.stage_start) / v.num_layers if self.stage_type >= 0 else 0.0,
             math.log1p(k_current),
+            *v.runtime_context,
         )
         return self._pack(mask, present, features, context)
 

@@ -60,17 +60,55 @@ def _checked_metadata(directory: Path) -> dict[str, Any]:
     from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
 
     meta = policy_metadata(directory)
-    # a policy reads the observation by position: it is only valid for the features it was trained on
+    # a policy reads the observation by position: it loads where this version observes every feature it
+    # was trained on (features added since get zero weights: `widen_state`)
     for key, names in (("type_features", TYPE_FEATURES), ("context_features", CONTEXT_FEATURES)):
-        if key in meta and list(meta[key]) != list(names):
+        missing = [name for name in meta.get(key, names) if name not in names]
+        if missing:
             raise ConfigError(
                 str(directory / _META),
                 key,
-                f"the features this version observes ({list(names)}); retrain the policy "
-                "(scripts/train_policy.py)",
-                list(meta[key]),
+                f"features this version observes ({list(names)}); retrain the policy (scripts/train_policy.py)",
+                missing,
             )
     return meta
+
+
+def widen_state(state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """A saved state dict (numpy arrays) made to read this version's observation: the first layer of
+    `encode` ([type features, context]), `score` ([type features, context, pooled]) and `value` ([mean and
+    max type features, context]) get a zero column for every feature the policy was not trained on, so
+    it scores every type exactly as it did; fine-tuning then learns their weights."""
+    from heterps_ray.scheduling.rl.env import CONTEXT_FEATURES, TYPE_FEATURES
+
+    saved_types = list(meta.get("type_features", TYPE_FEATURES))
+    saved_context = list(meta.get("context_features", CONTEXT_FEATURES))
+    if saved_types == list(TYPE_FEATURES) and saved_context == list(CONTEXT_FEATURES):
+        return state
+    types = [TYPE_FEATURES.index(name) for name in saved_types]
+    context = [CONTEXT_FEATURES.index(name) for name in saved_context]
+    nt, nc = len(TYPE_FEATURES), len(CONTEXT_FEATURES)
+    layouts = {  # first-layer inputs: (where each saved column goes), width now
+        "encode.0.weight": (types + [nt + c for c in context], nt + nc),
+        "score.0.weight": None,  # as encode's, then the pooled embeddings unchanged
+        "value.0.weight": (types + [nt + t for t in types] + [2 * nt + c for c in context], 2 * nt + nc),
+    }
+    out = dict(state)
+    for key, layout in layouts.items():
+        if key not in state:
+            continue
+        old = np.asarray(state[key])
+        if layout is None:
+            pooled = old.shape[1] - len(types) - len(context)
+            layout = (
+                types + [nt + c for c in context] + list(range(nt + nc, nt + nc + pooled)),
+                nt + nc + pooled,
+            )
+        columns, width = layout
+        wide = np.zeros((old.shape[0], width), dtype=old.dtype)
+        wide[:, columns] = old
+        out[key] = wide
+    return out
 
 
 def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
@@ -90,7 +128,11 @@ def load_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
     )
     try:
         state = torch.load(directory / _WEIGHTS, weights_only=True)
-        module.load_state_dict(upgrade_state(state, module))  # a policy saved before the set encoder too
+        state = upgrade_state(state, module)  # a policy saved before the set encoder too
+        wide = widen_state(
+            {k: v.detach().numpy() for k, v in state.items()}, meta
+        )  # or before newer features
+        module.load_state_dict({k: torch.as_tensor(v) for k, v in wide.items()})
     except Exception as exc:  # noqa: BLE001 - any failure to read the user's file is a DataError naming it
         # weights_only refuses pickled objects (UnpicklingError); a truncated or foreign file fails otherwise
         raise DataError(
@@ -106,7 +148,7 @@ def load_planning_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
     directory = Path(directory)
     if not (directory / _ARRAYS).exists():
         return load_policy(directory)
-    _checked_metadata(directory)
+    meta = _checked_metadata(directory)
     try:
         with np.load(directory / _ARRAYS, allow_pickle=False) as arrays:
             state = {k: arrays[k] for k in arrays.files}
@@ -116,7 +158,7 @@ def load_planning_policy(directory: str | Path = PRETRAINED_DIR) -> Any:
         ) from None
     if _PT_HASH not in state or str(state.pop(_PT_HASH)) != _sha256(directory / _WEIGHTS):
         return load_policy(directory)  # policy.pt was replaced after its twin was written: plan with it
-    return NumpyPolicy({k: v.astype(np.float64) for k, v in state.items()})
+    return NumpyPolicy({k: v.astype(np.float64) for k, v in widen_state(state, meta).items()})
 
 
 _MASKED_LOGIT = -1.0e9  # as network.MASKED_LOGIT (that module imports torch)

@@ -36,6 +36,7 @@ PRETRAIN_CONFIG = RLConfig(
 
 WIDE_LAYERS, WIDE_TYPES = (20, 120), (3, 8)  # production-sized problems (issue 16), wide catalogue
 WIDE_SEED_OFFSET = 2_000_000  # the wide part of the training pool: seed + this
+GPU_CLOUD_SEED_OFFSET = 3_000_000  # its GPU-cloud part (scheduling/gpu_cloud.py): seed + this
 
 
 def training_pool(
@@ -47,10 +48,12 @@ def training_pool(
     wide: int = 0,
     wide_layers: tuple[int, int] = WIDE_LAYERS,
     wide_types: tuple[int, int] = WIDE_TYPES,
+    gpu_cloud: int = 0,
 ) -> list[Problem]:
     """`count` generated problems from the stream seed + TRAIN_SEED_OFFSET, then `wide` problems of
-    the wide catalogue (`wide_layers` x `wide_types`) from seed + WIDE_SEED_OFFSET; never a benchmark
-    problem (those use small integer seeds)."""
+    the wide catalogue (`wide_layers` x `wide_types`) from seed + WIDE_SEED_OFFSET, then `gpu_cloud`
+    problems of the GPU-cloud catalogue (the same sizes, runtime sections and tables priced where they
+    live) from seed + GPU_CLOUD_SEED_OFFSET; never a benchmark problem (those use small integer seeds)."""
     rng = np.random.default_rng(seed + TRAIN_SEED_OFFSET)
     pool = [
         generate_problem(rng, num_layers=layers, num_types=types, name=f"train-{i}") for i in range(count)
@@ -61,6 +64,17 @@ def training_pool(
             rng, num_layers=wide_layers, num_types=wide_types, name=f"train-wide-{i}", catalogue="wide"
         )
         for i in range(wide)
+    ]
+    rng = np.random.default_rng(seed + GPU_CLOUD_SEED_OFFSET)
+    pool += [
+        generate_problem(
+            rng,
+            num_layers=wide_layers,
+            num_types=wide_types,
+            name=f"train-gpu-cloud-{i}",
+            catalogue="gpu_cloud",
+        )
+        for i in range(gpu_cloud)
     ]
     return pool
 
