@@ -285,3 +285,26 @@ def test_a_probes_cold_gpu_tier_misses_are_priced_apart_not_scaled_into_the_laye
         assert fitted.problem["runtime"]["gpu_miss_ms_per_row"] == {"big": pytest.approx(miss_ms)}
         # the fitted model's plan plus the probe's own cold misses is the probe
         assert loop_ms(fitted.problem) + misses * miss_ms == pytest.approx(probe_ms, rel=1e-6)
+
+
+def test_a_transfer_curve_that_bends_past_the_inline_size_keeps_its_smallest_messages_latency():
+    """Messages above Ray's inline size go through the object store, so time grows faster than the bytes
+    past it. The transfers of one CI run's quick profile (cpu_big, two receivers, two repeats: 4 KiB at
+    0.84 ms, 256 KiB at 1.68, 1 MiB at 14.95 on average) fit a line below zero at no bytes; the latency
+    is then what the smallest message took beyond its bytes' share, not zero."""
+    sizes = {4096: [0.937, 0.719, 0.939, 0.769], 262144: [1.640, 1.087, 2.387, 1.589],
+             1 << 20: [23.967, 14.395, 13.402, 8.256]}  # fmt: skip
+    data = _measurements(noise=0.01)
+    data = data[~((data["kind"] == "transfer") & (data["resource"] == "big"))]
+    bent = [_row(kind="transfer", resource="big", peer="big", nbytes=n, repeat=i, ms=ms)
+            for n, times in sizes.items() for i, ms in enumerate(times)]  # fmt: skip
+    result = _fit(pd.concat([data, pd.DataFrame(bent, columns=list(COLUMNS))], ignore_index=True))
+    big = {r["name"]: r for r in result.problem["resources"]}["big"]
+    means = {n: float(np.mean(t)) for n, t in sizes.items()}
+    through_origin = sum(n * means[n] for n in sizes) / sum(n * n for n in sizes)  # ms per byte
+    assert big["bandwidth_gbps"] == pytest.approx(1.0 / through_origin / 125_000, rel=1e-4)
+    assert big["latency_ms"] == pytest.approx((means[4096] - through_origin * 4096) / 2, rel=1e-4)
+    assert 0.3 < big["latency_ms"] < 0.42  # half of a 4 KiB message's ~0.8 ms
+    quality = result.quality
+    (flags,) = quality[(quality["what"] == "transfer") & (quality["resource"] == "big")]["flags"]
+    assert "negative coefficient" in flags  # still flagged as a poor fit

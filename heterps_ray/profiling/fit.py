@@ -242,6 +242,12 @@ def fit_problem(
             means = sel.groupby("nbytes")["ms"].mean()
             fit = fit_line(means.index.to_numpy(dtype=float), means.to_numpy())
             lat, ms_per_byte = clamp_non_negative(fit)
+            if fit.intercept <= 0.0:
+                # Messages above Ray's inline size go through the object store: time grows faster than
+                # the bytes past it, and a line through the sizes can cross zero. A message costs at
+                # least what the smallest one took beyond its bytes' share: that is the latency.
+                smallest = float(means.index[0])
+                lat = max(float(means.iloc[0]) - ms_per_byte * smallest, 0.0)
             # The intercept is a whole message (both ends); DESIGN.md §3 charges latency on each side.
             latency = lat / 2.0
             if ms_per_byte > 0:
