@@ -6,13 +6,17 @@ the instance owns (``teardown``), drops every attribute and runs ``__init__`` ag
 arguments, so nothing of the last run (table rows, optimizer state, armed faults, counters) survives.
 An actor can also be *blank* (:func:`blank_class`, or ``reconfigure()`` with no arguments): a process
 with its class's imports done and nothing configured, which the profiler times layers in
-(heterps_ray.profiling.actor.ProfilingHost) before the runs that follow reconfigure it.
+(heterps_ray.profiling.actor.ProfilingHost) before the runs that follow reconfigure it. Each actor
+class describes where it runs with :func:`actor_placement`.
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
+
+import ray
 
 
 class Reusable:
@@ -45,3 +49,16 @@ def blank_class(cls: type) -> type:
             self._blank = True
 
     return type(cls.__name__, (cls,), {"__init__": __init__})
+
+
+def actor_placement(**fields: Any) -> dict[str, Any]:
+    """What the running actor was given by Ray: node, pid, assigned resources, OpenMP wait policy."""
+    ctx = ray.get_runtime_context()
+    return {
+        **fields,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "actor_id": ctx.get_actor_id(),
+        "resources": ctx.get_assigned_resources(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }

@@ -68,7 +68,8 @@ def _train_run(job_file: Path, interval: float, seconds: float, out: Path) -> di
 
 
 def _table_part(rows: int, dim: int, work: Path) -> dict[str, Any]:
-    from heterps_ray.ps.shard import PSShard, TableSpec
+    from heterps_ray.ps.shard import PSShard
+    from heterps_ray.ps.spec import TableSpec
 
     shard = PSShard(0, 1, {"embedding": TableSpec(dim=dim)})
     rng = np.random.default_rng(0)
@@ -108,7 +109,8 @@ def _status_bytes(field: str) -> int:
 
 
 def _incremental_part(rows: int, dim: int, work: Path, shares: list[float]) -> dict[str, Any]:
-    from heterps_ray.ps.shard import PSShard, TableSpec
+    from heterps_ray.ps.shard import PSShard
+    from heterps_ray.ps.spec import TableSpec
 
     spec = {"embedding": TableSpec(dim=dim)}
     shard = PSShard(0, 1, spec)

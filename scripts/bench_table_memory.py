@@ -38,7 +38,8 @@ from heterps_ray.config import JobConfig, load_cluster  # noqa: E402
 from heterps_ray.costmodel.table_memory import GIB, estimate_table  # noqa: E402
 from heterps_ray.data.criteo import SPARSE_COLUMNS  # noqa: E402
 from heterps_ray.data.layout import META_FILE  # noqa: E402
-from heterps_ray.ps.shard import PSShard, sparse_spec  # noqa: E402
+from heterps_ray.ps.shard import PSShard  # noqa: E402
+from heterps_ray.ps.spec import sparse_spec  # noqa: E402
 from heterps_ray.ps.table import splitmix64  # noqa: E402
 
 TOLERANCE = 0.15  # RSS growth over the estimate beyond this is a defect (issue 27)

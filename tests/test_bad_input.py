@@ -25,7 +25,8 @@ import yaml
 from heterps_ray.cli import main
 from heterps_ray.errors import ConfigError, DataError, HeterPSError, InfeasibleError
 from heterps_ray.ps.atomic import write_npz_atomic
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.runtime.checkpoint import CHECKPOINTS_DIR, MANIFEST, load_checkpoint, write_manifest
 from heterps_ray.runtime.driver import SUMMARY_FILE
 

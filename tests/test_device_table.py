@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from heterps_ray.ps.client import PSClient
 from heterps_ray.ps.device_table import DeviceTable, KeyIndex
-from heterps_ray.ps.shard import PSClient, PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.ps.table import SparseTable
 
 CPU = torch.device("cpu")

@@ -10,7 +10,8 @@ import pytest
 from heterps_ray.config import TableConfig
 from heterps_ray.errors import ConfigError
 from heterps_ray.ps.disk_tier import DiskRows, record_dtype
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.ps.table import SparseTable
 
 DIM, VOCAB, RAM_ROWS = 6, 20_000, 400

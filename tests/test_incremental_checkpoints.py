@@ -16,7 +16,8 @@ from helpers import tiny_sync_job
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.runtime.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST,

@@ -11,15 +11,9 @@ import pytest
 import torch
 
 from heterps_ray.config import TableConfig, load_job
-from heterps_ray.ps.shard import (
-    PSClient,
-    PSShard,
-    TableSpec,
-    reshard_states,
-    shard_of,
-    sparse_spec,
-    start_shards,
-)
+from heterps_ray.ps.client import PSClient
+from heterps_ray.ps.shard import PSShard, reshard_states, start_shards
+from heterps_ray.ps.spec import TableSpec, shard_of, sparse_spec
 from heterps_ray.ps.table import SparseTable, max_rows_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,8 @@ from heterps_ray.cluster import DASHBOARD_HOST, _keep_token_auth, init_kwargs
 from heterps_ray.config import load_cluster
 from heterps_ray.errors import DataError
 from heterps_ray.ps.atomic import read_npz, write_npz_atomic
-from heterps_ray.ps.shard import PSShard, TableSpec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.runtime.checkpoint import MANIFEST, load_checkpoint, save_checkpoint, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -339,7 +339,8 @@ def test_a_hosted_tables_checkpoints_and_model_file_add_under_15_percent_of_its_
     import numpy as np
 
     from heterps_ray.ps.atomic import sha256_of
-    from heterps_ray.ps.shard import PSShard, TableSpec
+    from heterps_ray.ps.shard import PSShard
+    from heterps_ray.ps.spec import TableSpec
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the peak RSS")

@@ -42,7 +42,7 @@ import numpy as np
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
-from heterps_ray.ps.shard import sparse_spec
+from heterps_ray.ps.spec import sparse_spec
 from heterps_ray.ps.table import _CANDIDATE_BYTES, _INDEX_BYTES, device_rows_within, stored_bytes_per_row
 
 GIB = 2**30

@@ -9,7 +9,7 @@ batch size, as a stage call pays them (the copies to and from the device and the
 copies also apart, and the peak GPU memory; a batch size that runs out of GPU memory is reported,
 not fatal); one layer repeated for a fixed
 time (the 1- vs 2-replica runs); messages of a size sent to a peer actor; a peer kept busy with
-calls; pull+push through a :class:`~heterps_ray.ps.shard.PSClient` and dense pushes to a real
+calls; pull+push through a :class:`~heterps_ray.ps.client.PSClient` and dense pushes to a real
 PS shard; a dataset's read rate; its machine's cores and background load, and the raylet's CPU per
 call. Which measurements to take, on which actors, and the rows they become are profiler.py's.
 """
@@ -179,7 +179,7 @@ class LayerProfiler:
         training). The third part is the client's own work (de-duplicating and summing gradients)."""
         import ray
 
-        from heterps_ray.ps.shard import PSClient
+        from heterps_ray.ps.client import PSClient
 
         client = PSClient(shards)
         pull_ms = push_ms = client_ms = 0.0
@@ -222,8 +222,10 @@ class LayerProfiler:
         and gave back (fetched from the shard the first time each key is seen, written back by a flush);
         and the rows the device's free memory holds for such a table (ps/device_table.device_table_rows)."""
         torch = self._torch
+        from heterps_ray.ps.client import PSClient
         from heterps_ray.ps.device_table import DeviceTable, device_table_rows
-        from heterps_ray.ps.shard import PSClient, PSShard, TableSpec
+        from heterps_ray.ps.shard import PSShard
+        from heterps_ray.ps.spec import TableSpec
 
         spec = TableSpec(dim=dim)
         client = PSClient([PSShard(0, 1, {"t": spec})], hosted=True)

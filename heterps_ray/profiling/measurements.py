@@ -202,7 +202,8 @@ class PSProbe:
     def start(
         cls, job: JobConfig, spec: ModelSpec, present: list[ResourceType], settings: ProfileSettings
     ) -> PSProbe:
-        from heterps_ray.ps.shard import TableSpec, start_shards
+        from heterps_ray.ps.shard import start_shards
+        from heterps_ray.ps.spec import TableSpec
 
         names = [t.name for t in present]
         ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]

@@ -48,7 +48,8 @@ from heterps_ray.ps.table import ADAGRAD_EPS, device_rows_within
 from heterps_ray.ps.tier_stats import TierStats
 
 if TYPE_CHECKING:
-    from heterps_ray.ps.shard import PSClient, TableSpec
+    from heterps_ray.ps.client import PSClient
+    from heterps_ray.ps.spec import TableSpec
 
 _FIRST_ROWS = 1 << 12  # slots allocated at first; doubled as the table grows, up to the capacity
 # share of a GPU's free memory left to the stage's activations, gradients and the allocator's slack

@@ -28,7 +28,8 @@ from heterps_ray.config import ClusterConfig, JobConfig, ResourceType
 from heterps_ray.costmodel.table_memory import TablePlace, estimate_table, hosted_fits, table_place
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
-from heterps_ray.ps.shard import PSShard, sparse_spec
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import sparse_spec
 from heterps_ray.runtime import warm
 from heterps_ray.runtime.modes import mode_of
 from heterps_ray.runtime.pipeline import StageSpec

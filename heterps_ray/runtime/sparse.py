@@ -33,8 +33,9 @@ import numpy as np
 import ray
 import torch
 
+from heterps_ray.ps.client import KeySplit, PSClient
 from heterps_ray.ps.device_table import DeviceTable, device_table_rows
-from heterps_ray.ps.shard import KeySplit, PSClient, TableSpec
+from heterps_ray.ps.spec import TableSpec
 
 SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
 _PUSHES_IN_FLIGHT_PER_SHARD = 4  # async: sparse pushes left unanswered per shard (bounds memory)

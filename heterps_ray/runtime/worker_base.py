@@ -17,8 +17,7 @@ from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec
 from heterps_ray.profiling.actor import ProfilingHost
-from heterps_ray.ps.shard import actor_placement
-from heterps_ray.reusable import Reusable
+from heterps_ray.reusable import Reusable, actor_placement
 from heterps_ray.runtime.modes import Mode
 from heterps_ray.runtime.pipeline import StageSpec
 from heterps_ray.runtime.stage import StageCompute

@@ -26,7 +26,9 @@ import torch
 
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.models import ModelSpec, loss_fn
-from heterps_ray.ps.shard import PSClient, PSShard, TableSpec
+from heterps_ray.ps.client import PSClient
+from heterps_ray.ps.shard import PSShard
+from heterps_ray.ps.spec import TableSpec
 from heterps_ray.runtime.pipeline import StageSpec, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.sparse import SPARSE_TABLE, sparse_link

@@ -1,0 +1,80 @@
+"""What a sharded table is: how each shard creates its partition (:class:`TableSpec`, from a job's
+``table:`` section by :func:`sparse_spec`) and which shard owns a key (:func:`shard_of`).
+
+Key -> shard is the high 32 bits of ``splitmix64(key XOR 0x5ba4d5a2e1f3c7b9)`` modulo the shard count.
+It is salted so it does not correlate with the low bits the :class:`~heterps_ray.ps.table.SparseTable`
+hash index uses inside a shard, and it is not Python's ``hash()`` (salted per process). Rows are
+created from (key, seed) only, so a model trained with 1, 2 or 4 shards is the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from heterps_ray.ps.table import max_rows_for, splitmix64
+
+if TYPE_CHECKING:
+    from heterps_ray.config import JobConfig
+
+_SHARD_SALT = np.uint64(0x5BA4D5A2E1F3C7B9)
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """Shard index (int64) of each key; a pure function of (key, num_shards)."""
+    mixed = splitmix64(np.ascontiguousarray(keys, dtype=np.int64).ravel().view(np.uint64) ^ _SHARD_SALT)
+    return ((mixed >> np.uint64(32)) % np.uint64(num_shards)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """How to create one sparse table (every shard holds a partition of it); the fields are
+    :class:`~heterps_ray.ps.table.SparseTable`'s arguments. Admission and eviction are off by
+    default; `max_rows` caps each shard's partition."""
+
+    dim: int
+    seed: int = 0
+    lr: float = 0.05
+    init_accumulator: float = 0.1
+    init_scale: float = 0.01
+    optimizer: str = "adagrad"  # or "rowwise_adagrad"
+    admit_after: int = 1  # pull calls that see a key before it gets a row (1: at once)
+    ttl: int = 0  # steps a row lives unseen (0: forever)
+    max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
+    evict: str = "lru"  # or "lfu"
+    ram_rows: int = 0  # with disk_dir: rows per shard in RAM, the rest on local disk (ps/disk_tier.py)
+    disk_dir: str = ""  # the disk tier's directory on each PS node (each shard and table a folder in it)
+
+    def for_shard(self, index: int, num_shards: int, table: str) -> TableSpec:
+        """This spec as one shard's table: its disk tier in a folder of its own."""
+        if not self.disk_dir:
+            return self
+        folder = Path(self.disk_dir) / f"shard-{index:05d}-of-{num_shards:05d}" / table
+        return replace(self, disk_dir=str(folder))
+
+
+def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
+    """The TableSpec of a job's sparse table: the job's Adagrad settings and its ``table:`` section
+    (admission, TTL in batches, each shard's memory cap as a row cap, eviction order)."""
+    settings = job.table
+    max_rows = ram_rows = 0
+    if settings.max_shard_mb:
+        max_rows = max_rows_for(settings.max_shard_mb * 2**20, dim, admit_after=settings.admit_after)
+    if settings.disk_dir:
+        ram_rows = max_rows_for(settings.ram_mb * 2**20, dim, admit_after=settings.admit_after)
+    return TableSpec(
+        dim=dim,
+        seed=job.seed,
+        lr=job.optimizer.sparse_lr,
+        init_accumulator=job.optimizer.sparse_init_accumulator,
+        init_scale=init_scale,
+        admit_after=settings.admit_after,
+        ttl=settings.ttl_batches,
+        max_rows=max_rows,
+        evict=settings.evict,
+        ram_rows=ram_rows,
+        disk_dir=settings.disk_dir,
+    )
