@@ -44,7 +44,7 @@ _MAX_MEMO = 50_000  # provisioned assignments remembered per problem
 _UNREACHABLE_REPLICAS = 1.0e3  # stands in for "no replica count reaches the floor" (Amdahl limit)
 
 # Per (layer, type) features; the names document the observation and keep its width in one place.
-TYPE_FEATURES = (
+_STATIC_TYPE_FEATURES = (  # static per problem (ProblemView._static_features)
     "present",  # the type exists in this problem (padding rows are all zero)
     "can_run",  # the type can run the current layer
     "compute",  # log1p(c(l,t) / budget): replicas the layer alone needs at alpha = 1
@@ -61,7 +61,8 @@ TYPE_FEATURES = (
     "bandwidth",  # log(bandwidth / the problem's highest bandwidth)
     "input",  # log1p(input read time on t / budget), first layer only
     "is_ps",  # the PS shards run on this type
-    # dynamic: depend on the decisions so far
+)
+_DYNAMIC_TYPE_FEATURES = (  # depend on the decisions so far (SchedulingEnv._observation)
     "same_as_prev",  # choosing t continues the current stage
     "stage_time",  # log1p(time of the stage this layer would join or open / budget)
     "stage_replicas",  # log1p(replicas that stage needs at the floor, Amdahl)
@@ -69,14 +70,18 @@ TYPE_FEATURES = (
     "used",  # instances already committed on t / max_instances
     "headroom",  # (max_instances - committed - needed by this choice) / max_instances, clipped
     "marginal_rate",  # estimated $/h this choice adds / rate_scale
-    # the runtime terms (DESIGN.md §3b; all zero for a problem without them) and the table's place
+)
+# the runtime terms (DESIGN.md §3b; all zero for a problem without them) and the table's place: static
+# per problem (ProblemView._runtime_features)
+_RUNTIME_TYPE_FEATURES = (
     "call_cost",  # log1p(one call's round trip to a stage on t / budget)
     "limits_ahead",  # log1p(replicas the remaining layers would need on t at alpha = 1 / max_instances)
     "table_gpu",  # share of lookups t's GPU memory serves when a one-replica plan starts on t (0: shards)
     "table_ms",  # log1p(the table's ms per batch to a stage 0 on t, hosting its shards / budget)
     "table_memory",  # log1p(the table's rows / the rows t's GPU memory holds; 0: no GPU tier)
 )
-CONTEXT_FEATURES = (
+TYPE_FEATURES = _STATIC_TYPE_FEATURES + _DYNAMIC_TYPE_FEATURES + _RUNTIME_TYPE_FEATURES
+_BASE_CONTEXT_FEATURES = (
     "progress",  # layers done / layers
     "layers",  # layers / 30
     "types",  # types / 5
@@ -85,14 +90,15 @@ CONTEXT_FEATURES = (
     "stage_alpha",  # alpha of the current stage so far (1 when none)
     "stage_length",  # layers in the current stage / layers
     "stage_replicas",  # log1p(replicas the current stage needs so far)
+)
+_RUNTIME_CONTEXT_FEATURES = (  # static per problem (ProblemView._runtime_features)
     "runtime",  # the problem has runtime terms
     "asynchronous",  # its runtime trains async
     "micro_batches",  # log2(micro-batches per batch) / 4
     "hosting",  # a one-replica plan hosts its shards in the DataWorker (ps_hosting auto)
 )
-_STATIC = 16  # the first _STATIC type features are static per problem
-_DYNAMIC = 7  # then this many that depend on the decisions so far; the rest (_runtime_features) are static
-_BASE_CONTEXT = 8  # the context features before the runtime's
+CONTEXT_FEATURES = _BASE_CONTEXT_FEATURES + _RUNTIME_CONTEXT_FEATURES
+_STATIC, _DYNAMIC = len(_STATIC_TYPE_FEATURES), len(_DYNAMIC_TYPE_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -278,12 +284,12 @@ class ProblemView:
         from heterps_ray.costmodel.runtime_terms import call_ms, table_rate
 
         m, L, T, problem = self.model, self.num_layers, self.num_types, self.problem
-        n = len(TYPE_FEATURES) - _STATIC - _DYNAMIC
+        n = len(_RUNTIME_TYPE_FEATURES)
         f = np.zeros((L, T, n))
         rest = np.cumsum(np.where(m.runnable, m.compute_ms, 0.0)[::-1], axis=0)[::-1] / self.scale_ms
         f[:, :, 1] = np.log1p(rest / m.max_instances[None, :])
         terms = problem.runtime
-        context = np.zeros(len(CONTEXT_FEATURES) - _BASE_CONTEXT)
+        context = np.zeros(len(_RUNTIME_CONTEXT_FEATURES))
         if terms is None:
             return np.clip(f, -_OBS_CLIP, _OBS_CLIP), context
         table = problem.ps.table

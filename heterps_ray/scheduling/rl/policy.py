@@ -88,25 +88,22 @@ def widen_state(state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     types = [TYPE_FEATURES.index(name) for name in saved_types]
     context = [CONTEXT_FEATURES.index(name) for name in saved_context]
     nt, nc = len(TYPE_FEATURES), len(CONTEXT_FEATURES)
-    layouts = {  # first-layer inputs: (where each saved column goes), width now
-        "encode.0.weight": (types + [nt + c for c in context], nt + nc),
-        "score.0.weight": None,  # as encode's, then the pooled embeddings unchanged
+    features = types + [nt + c for c in context]
+    # first-layer inputs: where each saved feature column goes, and the width of those features now;
+    # columns past them (score's pooled embeddings) follow unchanged
+    layouts = {
+        "encode.0.weight": (features, nt + nc),
+        "score.0.weight": (features, nt + nc),
         "value.0.weight": (types + [nt + t for t in types] + [2 * nt + c for c in context], 2 * nt + nc),
     }
     out = dict(state)
-    for key, layout in layouts.items():
+    for key, (columns, width) in layouts.items():
         if key not in state:
             continue
         old = np.asarray(state[key])
-        if layout is None:
-            pooled = old.shape[1] - len(types) - len(context)
-            layout = (
-                types + [nt + c for c in context] + list(range(nt + nc, nt + nc + pooled)),
-                nt + nc + pooled,
-            )
-        columns, width = layout
-        wide = np.zeros((old.shape[0], width), dtype=old.dtype)
-        wide[:, columns] = old
+        rest = old.shape[1] - len(columns)
+        wide = np.zeros((old.shape[0], width + rest), dtype=old.dtype)
+        wide[:, columns + list(range(width, width + rest))] = old
         out[key] = wide
     return out
 

@@ -58,24 +58,18 @@ def training_pool(
     pool = [
         generate_problem(rng, num_layers=layers, num_types=types, name=f"train-{i}") for i in range(count)
     ]
-    rng = np.random.default_rng(seed + WIDE_SEED_OFFSET)
-    pool += [
-        generate_problem(
-            rng, num_layers=wide_layers, num_types=wide_types, name=f"train-wide-{i}", catalogue="wide"
-        )
-        for i in range(wide)
-    ]
-    rng = np.random.default_rng(seed + GPU_CLOUD_SEED_OFFSET)
-    pool += [
-        generate_problem(
-            rng,
-            num_layers=wide_layers,
-            num_types=wide_types,
-            name=f"train-gpu-cloud-{i}",
-            catalogue="gpu_cloud",
-        )
-        for i in range(gpu_cloud)
-    ]
+    for offset, catalogue, n in (
+        (WIDE_SEED_OFFSET, "wide", wide),
+        (GPU_CLOUD_SEED_OFFSET, "gpu_cloud", gpu_cloud),
+    ):
+        rng = np.random.default_rng(seed + offset)
+        name = "train-" + catalogue.replace("_", "-")
+        pool += [
+            generate_problem(
+                rng, num_layers=wide_layers, num_types=wide_types, name=f"{name}-{i}", catalogue=catalogue
+            )
+            for i in range(n)
+        ]
     return pool
 
 
