@@ -70,6 +70,7 @@ def test_notebooks_are_stored_with_a_full_run_s_outputs_and_read_the_small_flag_
         "01_quickstart.ipynb",
         "02_scheduler_experiments.ipynb",
         "03_plan_for_your_cluster.ipynb",
+        "04_plan_for_a_gpu_cloud.ipynb",
     ]
     for name in names:
         notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -137,3 +138,24 @@ def test_plan_for_your_cluster_notebook_plans_a_cluster_we_do_not_have(tmp_path,
     for name in ("problem.yaml", "pipeline.png", "frontier.png"):
         assert (out / name).stat().st_size > 0, name
     assert "plan by exact" in _printed(notebook)
+
+
+@pytest.mark.slow
+def test_gpu_cloud_notebook_shows_where_the_layers_and_the_table_go_and_nothing_beats_exact(tmp_path, monkeypatch):
+    notebook, out = _run_notebook("04_plan_for_a_gpu_cloud.ipynb", tmp_path, monkeypatch)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["feasible"] and plan["scheduler"] == "exact" and plan["extra"]["proof"]["proven"]
+    assert plan["table_place"] in ("gpu", "gpu_cache", "ps")
+    compared = pd.read_csv(out / "comparison.csv")
+    feasible = compared[compared["feasible"]]
+    assert {"exact", "rl", "greedy"} <= set(compared["scheduler"])
+    assert (feasible["vs exact"] >= 1.0 - 1e-9).all(), "no scheduler beats the proven optimum"
+    by_hand = pd.read_csv(out / "by_hand.csv").dropna(subset=["vs exact"])
+    assert len(by_hand) >= 3 and (by_hand["vs exact"] >= 1.0 - 1e-9).all(), "no hand-written plan beats it"
+    # a table that fits one card's memory lives there; ten billion rows fit none and go to CPU shards
+    sweep = pd.read_csv(out / "table_sweep.csv")
+    smallest, largest = sweep.iloc[0], sweep.iloc[-1]
+    assert smallest["table rows"] == 10**6 and smallest["table"].startswith("gpu on ")
+    assert largest["table rows"] == 10**10 and largest["fits on"] == "no GPU"
+    assert not largest["table"].startswith("gpu on ")
+    assert sweep["proven"].all()
