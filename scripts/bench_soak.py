@@ -8,6 +8,9 @@ the checkpoint chain; it writes one JSON and one PNG (RSS, rate and chain over t
     ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_soak.py --data /tmp/ck4m --minutes 60 \\
         --fault-every-min 5 --out /tmp/soak
 
+`bench_soak.py --out /tmp/soak report` measures the faults and judges again from a finished hour's
+files (soak.json and the progress records), without running it again.
+
 The training runs in a child process of its own session (``bench_soak.py child``), as a user's driver:
 the driver fault SIGKILLs its process group (its embedded Ray with it) and starts it again with
 ``resume``. The actor faults are armed by the child at its next chunk boundary (``train(on_chunk=...)``,
@@ -230,8 +233,8 @@ def _run(job: Path, out: Path, faults_every_s: float | None, args: argparse.Name
             next_fault += faults_every_s or 0.0
         time.sleep(1.0)
     wall = time.time() - t0
+    measure_faults(faults, _progress(progress), args.batch_size / args.rate if args.rate else 0.0)
     records = [r for r in _progress(progress) if "armed" not in r]
-    _pair(faults, _setbacks(records, t0, args.batch_size / args.rate if args.rate else 0.0))
     summary = json.loads((output_dir / "run_summary.json").read_text())
     extra = summary["extra"]
     return {
@@ -247,53 +250,36 @@ def _run(job: Path, out: Path, faults_every_s: float | None, args: argparse.Name
     }
 
 
-def _setbacks(records: list[dict[str, Any]], t0: float, step_s: float) -> list[dict[str, Any]]:
-    """Each time the run was set back, from the progress records (one per chunk boundary): a recovery
-    rolled it back to a checkpoint, a resumed driver started from one, or a chunk boundary came far
-    later than the chunks around it (a recovery whose replay already passed the furthest batch). For
-    each: when it stood at its furthest batch before (seconds from t0), where it went back to, and the
-    seconds it lost: until it passed that furthest batch again, less the time (`step_s` a batch,
-    undisturbed) the batches beyond it took."""
-    gaps = [
-        b["t"] - a["t"] for a, b in zip(records, records[1:], strict=False) if b.get("pid") == a.get("pid")
-    ]
-    slow = max(3.0, 4.0 * statistics.median(gaps)) if gaps else float("inf")
-    out: list[dict[str, Any]] = []
-    furthest, stood, waiting, prev = 0, t0, False, None
-    for rec in records:
-        back = prev is not None and (
-            rec["step"] <= furthest or rec.get("pid") != prev.get("pid") or rec["t"] - prev["t"] > slow
-        )
-        prev = rec
-        if back and not waiting:
-            waiting = True
-            out.append(
-                {
-                    "went_back_to": rec["step"],
-                    "from_step": furthest,
-                    "stood_s": round(stood - t0, 1),
-                    "lost_s": None,
-                }
-            )
-        if rec["step"] > furthest:
-            if waiting:
-                out[-1]["lost_s"] = round(rec["t"] - stood - (rec["step"] - furthest) * step_s, 1)
-                waiting = False
-            furthest, stood = rec["step"], rec["t"]
-    return out
-
-
-def _pair(faults: list[dict[str, Any]], setbacks: list[dict[str, Any]]) -> None:
-    """Each fault with the first setback within a minute of it (an armed actor dies within its next
-    chunk; a killed driver's last record is at most a chunk before the kill)."""
-    free = list(setbacks)
+def measure_faults(faults: list[dict[str, Any]], progress: list[dict[str, Any]], step_s: float) -> None:
+    """The seconds each fault cost, from the progress records (one per chunk boundary, with the armed
+    records among them): from where the run stood when the fault struck (an actor's: the chunk boundary
+    it was armed at, it dies in the next chunk; the driver's: its last record before the kill) until it
+    passes that batch again, less the time (`step_s` a batch, undisturbed) the batches beyond it took.
+    Where the recovery rolled back to a checkpoint at that very batch, this is the recovery and one
+    chunk; a fault never armed (the run ended first) gets None. Sets lost_s, from_step, went_back_to."""
+    armed = iter([i for i, r in enumerate(progress) if "armed" in r])  # actor faults are armed in order
     for fault in faults:
-        match = next((b for b in free if fault["t"] - 15.0 <= b["stood_s"] <= fault["t"] + 60.0), None)
-        if match is not None:
-            free.remove(match)
-            fault.update(match)
+        if fault["kind"] == "driver":  # the last record of the killed process at the batch it reached
+            first = next((i for i, r in enumerate(progress) if r.get("step") == fault["step"]), None)
+            stood = first if first is None else max(
+                i for i, r in enumerate(progress[first:], first)
+                if r.get("pid") == progress[first].get("pid") and r.get("step") == fault["step"]
+            )  # fmt: skip
         else:
-            fault["lost_s"] = None  # it never set the run back (an actor armed too late to die)
+            stood = next(armed, None)
+        fault.update(lost_s=None, from_step=None, went_back_to=None)
+        if stood is None:
+            continue
+        start = progress[stood]
+        after = [r for r in progress[stood + 1 :] if "armed" not in r]
+        passed = next((r for r in after if r["step"] > start["step"]), None)
+        if passed is None:
+            continue
+        fault.update(
+            lost_s=round(passed["t"] - start["t"] - (passed["step"] - start["step"]) * step_s, 1),
+            from_step=start["step"],
+            went_back_to=min([start["step"], *(r["step"] for r in after[: after.index(passed)])]),
+        )
 
 
 def _model_diff(a: Path, b: Path) -> float:
@@ -419,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--probe-steps", type=int, default=300, help="batches of the rate probe")
     parser.add_argument("--seed", type=int, default=0)
+    sub.add_parser("report", help="measure the faults and judge again from a finished soak's --out folder")
     args = parser.parse_args(argv)
     if args.part == "child":
         return child(args)
+    if args.part == "report":
+        return report(args.out.resolve(), args.settle_min)
     if args.data is None:
         parser.error("--data is required")
     out = args.out.resolve()
@@ -450,6 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     plot(faulted, calm, out / "soak.png")
     print(json.dumps(results["verdict"], indent=2))
     _log(f"wrote {out / 'soak.json'} and {out / 'soak.png'}")
+    return 0
+
+
+def report(out: Path, settle_min: float) -> int:
+    """Measure the faults and judge again from `out`'s soak.json and progress records (the hour is not
+    run again); rewrites soak.json and soak.png."""
+    results = json.loads((out / "soak.json").read_text())
+    faulted, calm = results["faulted"], results["calm"]
+    step_s = int(results["args"]["batch_size"]) / results["probe_rate"]
+    measure_faults(faulted["faults"], _progress(out / "faulted.progress.jsonl"), step_s)
+    results["verdict"] = verdict(faulted, calm, results["verdict"]["max_abs_model_diff"], settle_min)
+    (out / "soak.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(faulted, calm, out / "soak.png")
+    print(json.dumps(results["verdict"], indent=2))
     return 0
 
 
