@@ -17,6 +17,7 @@ from heterps_ray.config import load_job
 from heterps_ray.costmodel import CostModel, load_problem
 from heterps_ray.models import build_model
 from heterps_ray.profiling.probes import ONE_STAGE_AGREE
+from heterps_ray.profiling.profiler import ProfileSettings
 from heterps_ray.runtime import warm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +151,12 @@ def test_profile_command_writes_a_valid_problem_for_both_local_types(ray_local, 
     alone = runs[runs["peer"] == ""]
     first_two = alone[alone["repeat"] < 2].groupby("resource")["ms"]
     disagree = set(first_two.max()[(first_two.max() - first_two.min()) > ONE_STAGE_AGREE * first_two.mean()].index)
-    assert order[6:] == [("", name, 2) for name in ("cpu_small", "cpu_big") if name in disagree]
+    # the thirds share a budget (probe_extra) with the retakes of disturbed runs taken before them
+    kinds = raw.loc[raw["kind"].isin(["probe", "probe_disturbed"]), "kind"].tolist()
+    sixth = [i for i, kind in enumerate(kinds) if kind == "probe"][5]
+    budget = ProfileSettings.quick().probe_extra - kinds[:sixth].count("probe_disturbed")
+    thirds = [("", name, 2) for name in ("cpu_small", "cpu_big") if name in disagree]
+    assert order[6:] == thirds[: max(budget, 0)]
     # the profile's own spread: half the range of each type's one-stage runs over their median
     for name, group in runs[runs["peer"] == ""].groupby("resource"):
         half = (group["ms"].max() - group["ms"].min()) / (2 * group["ms"].median())
