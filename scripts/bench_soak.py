@@ -233,8 +233,9 @@ def _run(job: Path, out: Path, faults_every_s: float | None, args: argparse.Name
             next_fault += faults_every_s or 0.0
         time.sleep(1.0)
     wall = time.time() - t0
-    measure_faults(faults, _progress(progress), args.batch_size / args.rate if args.rate else 0.0)
-    records = [r for r in _progress(progress) if "armed" not in r]
+    logged = _progress(progress)
+    measure_faults(faults, logged, args.batch_size / args.rate if args.rate else 0.0)
+    records = [r for r in logged if "armed" not in r]
     summary = json.loads((output_dir / "run_summary.json").read_text())
     extra = summary["extra"]
     return {

@@ -343,7 +343,7 @@ def test_a_ps_shard_that_other_work_keeps_from_its_units_is_noted_not_waited_for
     """Room on paper (4 units of cpu_small, 2 profiling actors), none in fact: other work holds the two
     units left. The profile's shard waits for placement until the start deadline, then the profile goes
     on without it (the PS round trips would have waited for it until the 900 s call timeout)."""
-    from heterps_ray.profiling.profiler import ProfileSettings, profile
+    from heterps_ray.profiling.profiler import profile
 
     small = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())["resource_types"][0]
     assert small["name"] == "cpu_small" and small["max_instances"] == 4
