@@ -158,3 +158,7 @@ def test_gpu_cloud_notebook_shows_where_the_layers_and_the_table_go_and_nothing_
     assert sweep["feasible"].all() and sweep["proven"].all()
     assert sweep["cost $"].is_monotonic_increasing
     assert sweep["fits on"].iloc[-1] == "no GPU" and sweep["table"].iloc[-1].startswith("ps on ")
+    # wide rows: the table in one GPU's memory while it serves most lookups, on CPU shards past that
+    gpu_table = pd.read_csv(out / "gpu_table.csv")
+    assert gpu_table["proven"].all() and gpu_table["cost $"].is_monotonic_increasing
+    assert gpu_table["table"].iloc[0].startswith("gpu on ") and gpu_table["table"].iloc[-1].startswith("ps on ")
