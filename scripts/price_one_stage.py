@@ -6,9 +6,12 @@ median (issue 29: three profiles taken one after another should agree within ±5
 or take them: `--take 3 --job JOB --out DIR` runs three ``heterps profile``s one after another (each
 its own process, like a user's) and, before the first and after each, the plain one-process loop on
 the job's data with 2 torch threads (what a one-stage plan on a 2-thread type computes): the
-machine's own speed beside each profile. The repeatability figure (issue 41) is each price divided by
-the reference taken just before its profile: within ±5% of their median on each type. Where the profiles disagree and the references moved with
-them, the machine moved (BENCHMARKS.md, issue 29: "Why cpu_big's price moves between profiles").
+machine's own speed beside each profile. A reference is the median of REFERENCE_WINDOWS windows of
+REFERENCE_STEPS batches (about 15 s, half a profile): one 1.7 s window moved by up to 34% between
+neighbours on this host, more than the profiles did. The repeatability figure (issue 41) is each
+price divided by the reference taken just before its profile: within ±5% of their median on each
+type. Where the profiles disagree and the references moved with them, the machine moved
+(BENCHMARKS.md, issue 29: "Why cpu_big's price moves between profiles").
 
     python scripts/price_one_stage.py --take 3 --job configs/jobs/quickstart.yaml --out /tmp/take
 """
@@ -22,11 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from heterps_ray.config import load_job
+from heterps_ray.config import JobConfig, load_job
 from heterps_ray.costmodel import CostModel, load_problem
 from heterps_ray.runtime.reference import reference_rate
 
 REFERENCE_STEPS = 256  # batches per reference window: two of the data's read chunks at batch 512 (each one conversion)
+REFERENCE_WINDOWS = 7  # windows per reference, their median the machine's speed (module docstring)
 
 
 def main(argv: list[str]) -> None:
@@ -50,7 +54,7 @@ def take(job_path: str, out: Path, count: int) -> tuple[list[str], list[float]]:
     after each; returns the problem files and the references (samples/s)."""
     job = load_job(job_path)
     out.mkdir(parents=True, exist_ok=True)
-    references = [reference_rate(job, REFERENCE_STEPS)]
+    references = [reference(job)]
     print(f"reference {time.strftime('%H:%M:%S')}: {references[-1]:,.0f} samples/s", flush=True)
     paths = []
     for i in range(1, count + 1):
@@ -61,9 +65,14 @@ def take(job_path: str, out: Path, count: int) -> tuple[list[str], list[float]]:
         if done.returncode:
             raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-2000:]}")
         paths.append(path)
-        references.append(reference_rate(job, REFERENCE_STEPS))
+        references.append(reference(job))
         print(f"reference {time.strftime('%H:%M:%S')}: {references[-1]:,.0f} samples/s", flush=True)
     return paths, references
+
+
+def reference(job: JobConfig) -> float:
+    """The plain loop's samples/s now: the median of REFERENCE_WINDOWS windows back to back."""
+    return statistics.median(reference_rate(job, REFERENCE_STEPS) for _ in range(REFERENCE_WINDOWS))
 
 
 def report(paths: list[str], references: list[float]) -> None:
