@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from heterps_ray.config import ClusterConfig
 
 CUDA_AS_CPU_VAR = "HETERPS_CUDA_AS_CPU"
+TRACE_DIR_VAR = "HETERPS_TRACE_DIR"  # a traced run's folder (runtime/trace.py): the actors write there too
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,12 @@ def this_node() -> str:
 
 
 def actor_env() -> dict[str, str]:
-    """Environment an actor must get from the driver: the test flag, when the driver has it set."""
-    return {CUDA_AS_CPU_VAR: "1"} if cuda_as_cpu() else {}
+    """Environment an actor must get from the driver: the test flag and the trace folder, where the
+    driver has them set."""
+    env = {CUDA_AS_CPU_VAR: "1"} if cuda_as_cpu() else {}
+    if os.environ.get(TRACE_DIR_VAR):
+        env[TRACE_DIR_VAR] = os.environ[TRACE_DIR_VAR]
+    return env
 
 
 def declared_gpus(cluster: ClusterConfig) -> float | None:

@@ -35,6 +35,7 @@ from heterps_ray.errors import ConfigError, DataError, StorageError
 from heterps_ray.metrics.tracking import TENSORBOARD_DIR, RunTracker
 from heterps_ray.models import build_model
 from heterps_ray.ps.atomic import write_bytes_atomic
+from heterps_ray.runtime import trace
 from heterps_ray.runtime.actors import ActorSet, hosts_shards
 from heterps_ray.runtime.checkpoint import (
     CHECKPOINTS_DIR,
@@ -236,6 +237,8 @@ def train(
                 **counts,
             },
         )
+        if trace.on():  # the run's losses beside its tensors
+            trace.event("losses", "driver", {"losses": history["losses"]})
         if saver is not None:
             summary.extra["checkpoints"] = saver.written
             summary.extra["checkpoint_seconds"] = saver.seconds

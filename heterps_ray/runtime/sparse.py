@@ -36,6 +36,7 @@ import torch
 from heterps_ray.ps.client import KeySplit, PSClient
 from heterps_ray.ps.device_table import DeviceTable, device_table_rows
 from heterps_ray.ps.spec import TableSpec
+from heterps_ray.runtime import trace
 
 SPARSE_TABLE = "embedding"  # the one sparse table all slots share (slots are mixed into the keys)
 _PUSHES_IN_FLIGHT_PER_SHARD = 4  # async: sparse pushes left unanswered per shard (bounds memory)
@@ -157,9 +158,13 @@ class SparseRows(_Tagged):
 
     def pull(self, keys: np.ndarray, prepared: KeySplit | None, batch: int) -> Pulled:
         rows = self.ps.pull(SPARSE_TABLE, keys, split=prepared, step=self.clock(batch))
+        if trace.on():
+            trace.event("pull", f"data worker {self.worker}", {"keys": keys, "rows": rows})
         return Pulled(torch.from_numpy(rows).to(self.device), keys, split=prepared)
 
     def push(self, pulled: Pulled, grads: torch.Tensor, batch: int) -> None:
+        if trace.on():
+            trace.event("push", f"data worker {self.worker}", {"keys": pulled.keys, "grads": grads})
         self._refs += self.ps.push(
             SPARSE_TABLE,
             pulled.keys,

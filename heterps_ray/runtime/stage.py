@@ -37,6 +37,7 @@ from torch.func import functional_call
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.devices import autocast, claim_device, set_precision
 from heterps_ray.models import ModelSpec
+from heterps_ray.runtime import trace
 from heterps_ray.runtime.modes import Mode
 from heterps_ray.runtime.pipeline import StageSpec, Wire
 
@@ -178,6 +179,7 @@ class StageCompute:
         set_precision(self.device, precision)
         self.module = model.build(stage.start, stage.end, seed).to(self.device)
         self.names = canonical_names(self.module, model)
+        self.where = f"stage {stage.index}"  # this stage's name in a trace (runtime/trace.py)
         self.home = mode.dense_home(stage.replicas)
         self.optimizer: torch.optim.Optimizer | None = None
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-step")
@@ -207,6 +209,8 @@ class StageCompute:
         """Forward with autograd; the stash holds what the backward needs. `backward_next`: the
         backward follows at once (no other forward can come between, so no weight snapshot)."""
         self.settle()
+        if trace.on():
+            trace.event("forward", self.where, inputs, dict(self.module.named_parameters()))
         with self.autocast():
             if not self.stash_weights or backward_next:
                 return Stash(inputs, self.module(inputs), None)
@@ -231,6 +235,8 @@ class StageCompute:
                     roots.append(o)
                     seeds.append(torch.from_numpy(np.asarray(g)).to(self.device))
             if roots:
+                if trace.on():
+                    trace.event("backward", self.where, seeds)
                 torch.autograd.backward(roots, seeds)
         if stash.weights is not None:  # the stashed snapshot's gradient is the parameters' gradient
             for k, p in self.module.named_parameters():
@@ -244,6 +250,8 @@ class StageCompute:
         in the background (see the module docstring)."""
         if self.optimizer is not None and step:
             self.settle()
+            if trace.on():
+                trace.event("step", self.where, {k: p.grad for k, p in self.module.named_parameters()})
             if self.background_step:
                 self._step = self._stepper.submit(self._apply_step, self.optimizer)
             else:

@@ -12,6 +12,7 @@ import torch
 
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.models import ModelSpec, loss_fn
+from heterps_ray.runtime import trace
 from heterps_ray.runtime.pipeline import StageSpec, Wire, from_wire, to_wire
 from heterps_ray.runtime.stage import Stash
 from heterps_ray.runtime.worker_base import (
@@ -84,6 +85,8 @@ class StageWorker(StageActor):
             stash = self.compute.forward(inputs, backward_next=True)
             (logit,) = stash.outputs
             loss = loss_fn(logit, torch.from_numpy(np.asarray(label)).to(self.device))
+            if trace.on():
+                trace.event("loss", self.compute.where, {"logit": logit, "loss": loss})
             self.compute.backward(stash, loss=loss * scale)
             self._note_forward(len(logit))
             grads = to_wire([t.grad if t.requires_grad else None for t in inputs])

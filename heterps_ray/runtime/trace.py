@@ -1,0 +1,66 @@
+"""Hashes of the tensors on the training path, to find where two runs that should be equal part.
+
+Sync training promises the same model from the same job (with faults, shard counts or hostings
+between). Where two runs differ, their losses say only that they did. With ``HETERPS_TRACE_DIR`` set
+to a folder, every process of a run appends one JSON line per event to ``<folder>/<pid>.jsonl``: a
+stage's forward (its inputs and weights), the gradients that arrive for its backward, its weight
+gradients before a step, the rows pulled and the gradients pushed, the last stage's logits and loss,
+and the driver's losses at the end. Each tensor is written as its SHA-1 prefix, shape, dtype and
+address modulo 64 (a numeric library may take another code path for another alignment).
+``scripts/diff_traces.py A B`` then names the first event whose tensors differ. The actors get the
+folder in their runtime env (``devices.actor_env``). The callers check :func:`on` first, so an untraced
+run builds nothing.
+
+Trace one run per folder: the processes of a run are told apart by their role ("stage 1"), not by run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from heterps_ray.devices import TRACE_DIR_VAR
+
+_lock = threading.Lock()
+_count = 0
+
+
+def digest(value: Any) -> list[Any]:
+    """[SHA-1 prefix of the bytes, shape, dtype, address mod 64] of a tensor or array."""
+    if isinstance(value, torch.Tensor):
+        address = value.data_ptr()
+        value = value.detach().cpu().numpy()
+    else:
+        value = np.asarray(value)
+        address = value.ctypes.data
+    sha = hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+    return [sha, list(value.shape), str(value.dtype), address % 64]
+
+
+def on() -> bool:
+    """Whether this process traces (HETERPS_TRACE_DIR set)."""
+    return bool(os.environ.get(TRACE_DIR_VAR))
+
+
+def event(name: str, where: str, *tensors: Sequence[Any] | Mapping[str, Any]) -> None:
+    """Append one line: event `name` of the process role `where` ("stage 1", "data worker 0"), with a
+    digest of each tensor of `tensors` (sequences are named by position, mappings by key; None
+    entries skipped). Only where :func:`on`."""
+    global _count
+    record: dict[str, Any] = {"event": name, "where": where}
+    for group, named in enumerate(tensors):
+        items = named.items() if isinstance(named, Mapping) else enumerate(named)
+        record.update({f"{group}.{key}": digest(t) for key, t in items if t is not None})
+    with _lock:
+        record["n"] = _count
+        _count += 1
+        with open(Path(os.environ[TRACE_DIR_VAR]) / f"{os.getpid()}.jsonl", "a") as out:
+            out.write(json.dumps(record) + "\n")
