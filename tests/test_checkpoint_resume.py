@@ -237,17 +237,17 @@ def test_stopped_and_resumed_run_equals_an_uninterrupted_run(
     resumed = json.loads((run_dir / SUMMARY_FILE).read_text())
     assert resumed["steps"] == TOTAL and resumed["samples"] == TOTAL * BATCH
     assert resumed["extra"]["resumed_from"]["step"] == STOP
-    np.testing.assert_allclose(resumed["losses"], whole.losses, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(resumed["losses"], whole.losses)
     assert len(whole.losses) == TOTAL
 
     dense_a, sparse_a = _model_arrays(whole_dir)
     dense_b, sparse_b = _model_arrays(run_dir)
     assert dense_a.keys() == dense_b.keys()
     for name in dense_a:
-        np.testing.assert_allclose(dense_b[name], dense_a[name], rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(dense_b[name], dense_a[name], err_msg=name)
     np.testing.assert_array_equal(sparse_b["keys"], sparse_a["keys"])
-    np.testing.assert_allclose(sparse_b["weights"], sparse_a["weights"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(sparse_b["accumulators"], sparse_a["accumulators"], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(sparse_b["weights"], sparse_a["weights"])
+    np.testing.assert_array_equal(sparse_b["accumulators"], sparse_a["accumulators"])
     np.testing.assert_array_equal(sparse_b["candidate_keys"], sparse_a["candidate_keys"])  # admission's waiting keys
     kept = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir())
     assert kept == [f"step-{STOP:08d}", f"step-{TOTAL:08d}"]

@@ -93,20 +93,20 @@ def test_sync_run_survives_a_killed_actor_with_every_batch_applied_once(
     assert fault["recovery_s"] > 0 and fault["batches_replayed"] >= 0
     assert extra["restarts"] == 1
 
-    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
-    assert summary.auc == pytest.approx(undisturbed.auc, abs=1e-6)
+    np.testing.assert_array_equal(summary.losses, undisturbed.losses)
+    assert summary.auc == undisturbed.auc
     _same_model(summary, undisturbed)
 
 
 def _same_model(summary: RunSummary, undisturbed: RunSummary) -> None:
-    """The trained model of `summary` equals the undisturbed run's (dense and sparse, 1e-6)."""
+    """The trained model of `summary` equals the undisturbed run's, dense and sparse, bit for bit."""
     dense_a, sparse_a = _model(undisturbed)
     dense_b, sparse_b = _model(summary)
     for name in dense_a:
-        np.testing.assert_allclose(dense_b[name], dense_a[name], rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(dense_b[name], dense_a[name], err_msg=name)
     np.testing.assert_array_equal(sparse_b["keys"], sparse_a["keys"])
     for key in ("weights", "accumulators"):
-        np.testing.assert_allclose(sparse_b[key], sparse_a[key], rtol=0, atol=1e-6, err_msg=key)
+        np.testing.assert_array_equal(sparse_b[key], sparse_a[key], err_msg=key)
 
 
 @pytest.mark.parametrize(
@@ -140,8 +140,8 @@ def test_an_actor_dying_in_any_phase_ends_the_run_as_an_undisturbed_one(
         assert fault["rolled_back_to"] == STEPS and fault["batches_replayed"] == 0
     extra = summary.extra
     assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (STEPS, 0, 0)
-    assert (summary.auc, summary.logloss) == pytest.approx((undisturbed.auc, undisturbed.logloss), abs=1e-6)
-    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
+    assert (summary.auc, summary.logloss) == (undisturbed.auc, undisturbed.logloss)
+    np.testing.assert_array_equal(summary.losses, undisturbed.losses)
     _same_model(summary, undisturbed)
 
 
@@ -158,7 +158,7 @@ def test_a_fault_before_any_checkpoint_replays_from_the_start(ray_local, dataset
     assert fault["batches_replayed"] >= 20
     assert (summary.extra["batches_applied"], summary.extra["batches_lost"]) == (steps, 0)
     assert summary.extra["batches_duplicated"] == 0
-    np.testing.assert_allclose(summary.losses[:STEPS], undisturbed.losses, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(summary.losses[:STEPS], undisturbed.losses)
 
 
 class _KillBetweenChunks:
@@ -193,7 +193,7 @@ def test_an_actor_dying_between_chunks_is_recovered_not_an_error_of_the_run(
     assert fault["step"] == fault["rolled_back_to"] == 2 * EVERY and fault["batches_replayed"] == 0
     extra = summary.extra
     assert (extra["batches_applied"], extra["batches_lost"], extra["batches_duplicated"]) == (STEPS, 0, 0)
-    np.testing.assert_allclose(summary.losses, undisturbed.losses, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(summary.losses, undisturbed.losses)
 
 
 def test_more_deaths_than_max_restarts_fail_with_a_clear_error(ray_local, dataset, tmp_path):

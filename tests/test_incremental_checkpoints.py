@@ -30,6 +30,8 @@ from heterps_ray.runtime.driver import train
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shards
 TOTAL, STOP, EVERY = 12, 6, 2  # batches of the whole run, where the first part stops, checkpoint period
+
+
 def _step(run: Path, step: int) -> Path:
     return run / CHECKPOINTS_DIR / f"step-{step:08d}"
 
