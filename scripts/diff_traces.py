@@ -45,27 +45,26 @@ def tensors(event: dict[str, Any]) -> dict[str, list[Any]]:
     return {k: v for k, v in event.items() if isinstance(v, list)}
 
 
-def first_difference(a: Process, b: Process) -> tuple[str | None, int]:
-    """(what differs first, or None; how many events before it had equal bytes at other addresses)."""
+def first_difference(a: Process, b: Process) -> tuple[str | None, list[str], int]:
+    """(the first event that differs, or None; its differing tensors, one line each; how many events
+    before it had equal bytes at other addresses)."""
     realigned = 0
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if (x["event"], x["where"]) != (y["event"], y["where"]):
-            return f"event {i}: {x['where']} {x['event']} against {y['where']} {y['event']}", realigned
+            return f"event {i}: {x['where']} {x['event']} against {y['where']} {y['event']}", [], realigned
         tx, ty = tensors(x), tensors(y)
-        values = {k for k in tx.keys() | ty.keys() if tx.get(k, [None])[:3] != ty.get(k, [None])[:3]}
+        values = sorted(k for k in tx.keys() | ty.keys() if tx.get(k, [None])[:3] != ty.get(k, [None])[:3])
         if values:
-            shown = "\n".join(
-                f"    {k}: {tx.get(k)} against {ty.get(k)}  [sha, shape, dtype, address % 64]"
-                for k in sorted(values)
-            )
+            lines = [f"    {k}: {tx.get(k)} against {ty.get(k)}" for k in values]
             return (
-                f"event {i}: {x['where']} {x['event']}, {len(values)} of {len(tx)} tensors differ:\n{shown}",
+                f"event {i}: {x['where']} {x['event']}, {len(values)} of {len(tx)} tensors differ",
+                lines,
                 realigned,
             )
         realigned += any(tx[k][3] != ty[k][3] for k in tx)
     if len(a) != len(b):
-        return f"event {min(len(a), len(b))}: one run has {len(a)} events, the other {len(b)}", realigned
-    return None, realigned
+        return f"event {min(len(a), len(b))}: one run has {len(a)} events, the other {len(b)}", [], realigned
+    return None, [], realigned
 
 
 def main(argv: list[str]) -> int:
@@ -84,13 +83,19 @@ def main(argv: list[str]) -> int:
             print(f"{name}: {len(left)} process(es) in {args.a}, {len(right)} in {args.b}")
             differ = True
         for k, (x, y) in enumerate(zip(left, right, strict=False)):
-            what, realigned = first_difference(x, y)
+            what, lines, realigned = first_difference(x, y)
             label = f"{name} #{k}" if len(left) > 1 else name
-            moved = f"; {realigned} events saw the same bytes at another address mod 64" if realigned else ""
+            moved = (
+                f" ({realigned} events before: the same bytes at another address mod 64)" if realigned else ""
+            )
             if what is None:
                 print(f"{label}: {len(x)} events, equal{moved}")
             else:
-                print(f"{label}: differs at {what}{moved}")
+                print(
+                    "\n".join(
+                        [f"{label}: differs at {what}{moved} [sha, shape, dtype, address % 64]:", *lines]
+                    )
+                )
                 differ = True
     return 1 if differ else 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,13 +53,17 @@ def test_two_runs_of_a_sync_job_trace_the_same_tensors_and_another_seed_differs_
     assert diff_traces.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "differs" not in capsys.readouterr().out
 
-    # another seed: other initial rows, so the data worker's first pull is where it parts
+    # another seed: the same embedding rows, other dense weights, so stage 1's first forward is where
+    # it parts (its input is still equal), and the gradient stage 0 gets back is where stage 0 does
     _traced(monkeypatch, tmp_path / "c", tiny_dataset, tmp_path / "run-c", seed=8)
     capsys.readouterr()
     assert diff_traces.main([str(tmp_path / "a"), str(tmp_path / "c")]) == 1
-    out = capsys.readouterr().out
-    assert "data worker 0 + stage 0: differs at event 0: data worker 0 pull" in out
-    assert "0.rows:" in out and "0.keys:" not in out  # the same keys, other rows
+    blocks = {b.split(":")[0]: b for b in re.split(r"\n(?=\S)", capsys.readouterr().out.strip())}
+    assert blocks["stage 1"].startswith("stage 1: differs at event 0: stage 1 forward, 4 of 5 tensors differ")
+    assert "\n    0.0:" not in blocks["stage 1"]  # the input
+    assert re.match(
+        r"data worker 0 \+ stage 0: differs at event \d+: stage 0 backward", blocks["data worker 0 + stage 0"]
+    )
 
 
 def test_diff_traces_refuses_a_folder_without_traces(tmp_path):
