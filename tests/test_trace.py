@@ -8,12 +8,15 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers import tiny_sync_job
 
 from heterps_ray.costmodel.plan import load_plan
 from heterps_ray.devices import TRACE_DIR_VAR
 from heterps_ray.runtime.driver import train
+from heterps_ray.runtime.trace import digest
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "configs" / "plans" / "small_three_stage.json"  # 3 stages, 2 PS shard actors
@@ -69,3 +72,15 @@ def test_two_runs_of_a_sync_job_trace_the_same_tensors_and_another_seed_differs_
 def test_diff_traces_refuses_a_folder_without_traces(tmp_path):
     with pytest.raises(SystemExit, match="no trace files"):
         diff_traces.main([str(tmp_path), str(tmp_path)])
+
+
+def test_a_digest_is_of_the_bytes_whatever_holds_them():
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert (
+        digest(values)[:3]
+        == digest(torch.from_numpy(values))[:3]
+        == digest(torch.from_numpy(values.T.copy()).T)[:3]
+    )
+    assert digest(values)[0] != digest(values + np.float32(1e-7))[0]
+    bf16 = digest(torch.ones(3, dtype=torch.bfloat16))  # numpy has no bf16: hashed as raw bytes
+    assert bf16[1:3] == [[3], "bfloat16"]

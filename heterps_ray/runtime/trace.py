@@ -34,15 +34,19 @@ _count = 0
 
 
 def digest(value: Any) -> list[Any]:
-    """[SHA-1 prefix of the bytes, shape, dtype, address mod 64] of a tensor or array."""
+    """[SHA-1 prefix of the bytes, shape, dtype, address mod 64] of a tensor or array (any dtype:
+    a bf16 tensor, which numpy has no type for, is hashed as its raw bytes)."""
     if isinstance(value, torch.Tensor):
         address = value.data_ptr()
-        value = value.detach().cpu().numpy()
+        tensor = value.detach().cpu().contiguous()
+        shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
     else:
-        value = np.asarray(value)
-        address = value.ctypes.data
-    sha = hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
-    return [sha, list(value.shape), str(value.dtype), address % 64]
+        array = np.asarray(value)
+        address = array.ctypes.data
+        shape, dtype = list(array.shape), str(array.dtype)
+        data = np.ascontiguousarray(array).tobytes()
+    return [hashlib.sha1(data).hexdigest()[:16], shape, dtype, address % 64]
 
 
 def on() -> bool:
