@@ -206,7 +206,11 @@ def test_reference_command_synthesises_trains_and_writes_a_summary(tmp_path, cap
     from heterps_ray.cli import main
 
     job = _write_job(tmp_path)
+    threads = torch.get_num_threads()
     assert main(["reference", job, "--steps", "10", "--no-progress", "--threads", "1"]) == 0
+    # in-process, the command leaves the caller's torch threads as they were (a later sync-vs-reference
+    # comparison in this process computed on 1 thread, and AutoInt rounds differently there)
+    assert torch.get_num_threads() == threads
     out = capsys.readouterr().out
     assert "AUC" in out and "achievable" in out
     summary = json.loads((tmp_path / "out" / "reference_summary.json").read_text())
