@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from helpers import local_job
 
 from heterps_ray.config import JobConfig
@@ -22,7 +21,7 @@ from heterps_ray.costmodel.plan import Plan
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.models import build_model
 from heterps_ray.runtime.driver import train
-from heterps_ray.runtime.reference import ReferenceTrainer
+from heterps_ray.runtime.reference import ReferenceTrainer, torch_threads
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 80
@@ -91,13 +90,9 @@ def test_zoo_model_as_a_pipeline_trains_like_the_reference(ray_local, dataset, t
     assert trainer.micro_batches == 2 and trainer.table.admit_after == 2
     # on the torch threads of cpu_big, where the middle layers run: some of AutoInt's products round
     # differently on 1 thread than on 2 (1 float32 ulp from batch 10; the other models are equal)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         history = trainer.fit(Dataset(dataset), BATCH, steps=STEPS, progress=False)
         reference_auc = trainer.evaluate(Dataset(dataset).load("eval"))["auc"]
-    finally:
-        torch.set_num_threads(threads)
 
     sync = train(sync_job, plan, steps=STEPS, progress=False)
     np.testing.assert_array_equal(sync.losses, history["loss"])

@@ -134,17 +134,10 @@ def _reference(args: argparse.Namespace) -> int:
             raise ConfigError(None, flag, "a positive integer", value)
     job = load_job(args.job)
 
-    import torch
+    from heterps_ray.runtime.reference import SUMMARY_FILE, run_reference, torch_threads
 
-    from heterps_ray.runtime.reference import SUMMARY_FILE, run_reference
-
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         summary = run_reference(job, steps=args.steps, progress=not args.no_progress)
-    finally:  # called in-process (main([...])), the command leaves the caller's thread count as it was
-        torch.set_num_threads(threads)
     print(
         f"trained {summary['model']} for {summary['steps']} batches ({summary['samples']:,} samples) "
         f"in {summary['train_seconds']:.1f} s ({summary['samples_per_second']:,.0f} samples/s)"

@@ -25,9 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -199,6 +200,20 @@ SUMMARY_FILE = "reference_summary.json"
 WARMUP_STEPS = 20  # batches before a rate is timed: the first calls and the first read chunk's conversion
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch on `threads` intra-op threads inside the block (None: as it is), the caller's count after:
+    code called in-process (a command through main(), a benchmark's loop) leaves the process's threads
+    as it found them. The count changes how some products round (AutoInt: 1 thread against 2)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def reference_rate(job: JobConfig, steps: int, threads: int = 2) -> float:
     """samples/s of the reference trainer (the job's model and optimizers, `threads` torch threads) on
     the job's training data, over `steps` batches after WARMUP_STEPS: the plain one-process loop the
@@ -206,15 +221,15 @@ def reference_rate(job: JobConfig, steps: int, threads: int = 2) -> float:
     (scripts/price_one_stage.py). The data is synthesised first where the job's directory has none."""
     from heterps_ray.data.dataset import prepare_dataset
 
-    torch.set_num_threads(threads)
-    trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
-    batches = prepare_dataset(job.data, seed=job.seed).iter_batches("train", job.batch_size)
-    for _ in range(WARMUP_STEPS):
-        trainer.train_step(next(batches))
-    started = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(next(batches))
-    return steps * job.batch_size / (time.perf_counter() - started)
+    with torch_threads(threads):
+        trainer = ReferenceTrainer(build_model(job.model), job.optimizer, seed=job.seed)
+        batches = prepare_dataset(job.data, seed=job.seed).iter_batches("train", job.batch_size)
+        for _ in range(WARMUP_STEPS):
+            trainer.train_step(next(batches))
+        started = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step(next(batches))
+        return steps * job.batch_size / (time.perf_counter() - started)
 
 
 def run_reference(job: JobConfig, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
