@@ -123,7 +123,10 @@ class RuntimeLevels(LevelPricing):
         self.valid = ~bad
         _, self.alpha = model.segment_tables()
         self.busy = {}  # hosted (bool) -> busy ms per micro-batch [L, L, T]
-        for hosted in (False, True):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
+        for hosted in (
+            False,
+            True,
+        ):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
             rate = np.array([table_rate(problem, terms, r.name, hosted).ms_per_row for r in types])
             ps_wait = np.where(i == 0, rows * rate[None, None, :], 0.0)
             self.busy[hosted] = np.where(bad, np.inf, compute + other + first + ps_wait)
@@ -300,7 +303,11 @@ class RuntimeLevels(LevelPricing):
                 if not ratio:
                     self._mix[(hosted, target, n)] = lam
                 paths += [assignment_of(p) for p in met]
-                mixed = mixed_weights(plain, priced, lam) if 0.0 < lam < 1.0 else (plain if lam == 0.0 else priced)
+                mixed = (
+                    mixed_weights(plain, priced, lam)
+                    if 0.0 < lam < 1.0
+                    else (plain if lam == 0.0 else priced)
+                )
                 found.append((value + fixed, fixed, hosted, n, mixed, k, cap))
         # the limits: raise the weights' bounds from the lowest up while one is below the others (the
         # bound is their minimum, so a weight above it needs no work)
@@ -398,8 +405,12 @@ class RuntimeLevels(LevelPricing):
         for target in np.geomspace(low, high, SCOUT_POINTS):
             if not visit(float(target)):
                 break
-            if seen[-1][1] * to_cost >= SCOUT_STOP * min(c for _, _, c in seen):
-                break  # the levels above are dearer per sample/s than plans already met: not worth it
+            rising = len(seen) > 1 and seen[-1][1] > seen[-2][1]
+            if rising and seen[-1][1] * to_cost >= SCOUT_STOP * min(c for _, _, c in seen):
+                # the bound per sample/s rises and is dearer than plans already met: not worth going
+                # higher. Where it still falls (a floor far below the optimum: issue 40, seed 16, the
+                # optimum at 10x the floor), the levels above are where the cheap plans are.
+                break
         # refine around the level with the lowest bound per sample/s (where cheap plans can be) and
         # around the one whose plans were cheapest
         levels = [x for x, _, _ in seen]

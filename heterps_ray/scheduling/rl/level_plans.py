@@ -20,6 +20,12 @@ one-layer and one-stage moves):
 
 Every path is re-priced by exact provisioning (ProblemView.record) like any other candidate, so this
 serves the true model too: with runtime terms the DP prices the base model, the candidate the true one.
+
+With runtime terms the base model's DP misses where the loop's sum over the stages decides: the
+optimum of a GPU cloud is often a deep pipeline of one-replica stages balanced at the floor (issue 40,
+seed 15: 11 stages on 5 types), which no base-model level proposes. There :func:`scouted_plans` adds
+exact's own incumbents for the runtime levels (runtime_levels.RuntimeLevels.scout: the DP with the loop
+priced in, at levels from the floor to the throughput bound), to a deadline.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ from heterps_ray.costmodel.formulas import FLOOR_RTOL, S_PER_HOUR
 from heterps_ray.scheduling.base_levels import BaseLevels
 from heterps_ray.scheduling.provisioning import STEP_RTOL
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView
+from heterps_ray.scheduling.runtime_levels import RuntimeLevels
 
 LEVELS = 24  # levels of the relaxed pass
 LEVEL_SPAN = 4.0  # the relaxed pass's highest level, x the floor (the optimum rarely lies above 2x)
 COUNT_STATES = 2048  # the most instance-count states of the counting DP a level may use here
+# Of scouted_plans' time, the share its levels may take; the rest provisions their plans (~1 ms each,
+# a few hundred at 120 x 8)
+SCOUT_SHARE = 0.6
 
 
 def level_plans(view: ProblemView, deadline: float, steps: int | None = None) -> list[EpisodeResult]:
@@ -57,6 +67,24 @@ def level_plans(view: ProblemView, deadline: float, steps: int | None = None) ->
             break
         found.append(view.record(level.assignment))
     found += _walk(view, pricing, model.floor * (1.0 - FLOOR_RTOL), ceiling, deadline, steps)
+    return found
+
+
+def scouted_plans(view: ProblemView, deadline: float) -> list[EpisodeResult]:
+    """On a problem with runtime terms, the plans the runtime levels scout, provisioned, until
+    `deadline` (perf_counter; inf: all of them); [] on the base model or without a floor."""
+    model = view.model
+    if model.problem.runtime is None or not model.floor > 0.0:
+        return []
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0.0:
+        return []
+    pricing = RuntimeLevels(model, time_limit_s=remaining * SCOUT_SHARE if math.isfinite(remaining) else None)
+    found: list[EpisodeResult] = []
+    for assignment in pricing.scout(model.floor, pricing.throughput_bound(model.floor)):
+        if time.perf_counter() >= deadline:
+            break
+        found.append(view.record(assignment))
     return found
 
 

@@ -2,10 +2,13 @@
 
 A plan the policy found is often a move or two from a cheaper one (a layer on the wrong side of a
 stage boundary, a stage on a neighbouring GPU kind). Best-improvement hill climbing over those moves,
-priced by exact provisioning, closes that gap cheaply. The moves come in two rings:
+priced by exact provisioning, closes that gap cheaply. The moves come in rings:
 
 * stage moves (O(stages x types)): re-type one maximal stage, or shift a boundary between two stages
   by 1, 2, 4 or 8 layers either way (those layers join the neighbouring stage);
+* split moves (O(stages x types)): a stage's second half, first half or middle third on another type
+  (a replicated stage becomes a deeper pipeline of one-replica stages: on GPU clouds the optimum is
+  often such a pipeline, issue 40);
 * block moves (O(stages x types)): the first or last 1, 2, 4 or 8 layers of a stage on another type;
 * layer moves (O(layers x types)): re-type one layer.
 
@@ -65,6 +68,25 @@ def block_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tup
     return sorted(moves)
 
 
+def split_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Assignments one split move away: a stage of 3 or more layers cut in two or three at its
+    middle (its second half, or its middle third, on another type): a replicated stage becomes a
+    deeper pipeline of cheaper stages."""
+    runnable = view.model.runnable
+    moves: set[tuple[int, ...]] = set()
+    for start, end, current in view.model.split_stages(list(assignment)):
+        n = end - start
+        if n < 3:
+            continue
+        blocks = {(start + n // 2, end), (start, start + n // 2), (start + n // 3, start + 2 * n // 3)}
+        for lo, hi in blocks:
+            for t in range(view.num_types):
+                if t != current and runnable[lo:hi, t].all():
+                    moves.add(assignment[:lo] + (t,) * (hi - lo) + assignment[hi:])
+    moves.discard(assignment)
+    return sorted(moves)
+
+
 def layer_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Assignments one layer move away: one layer on another type that can run it."""
     runnable = view.model.runnable
@@ -77,8 +99,9 @@ def layer_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tup
 
 
 def neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every assignment one move away (stage, block and layer moves)."""
-    moves = set(stage_neighbours(view, assignment)) | set(block_neighbours(view, assignment))
+    """Every assignment one move away (stage, split, block and layer moves)."""
+    moves = set(stage_neighbours(view, assignment)) | set(split_neighbours(view, assignment))
+    moves |= set(block_neighbours(view, assignment))
     return sorted(moves | set(layer_neighbours(view, assignment)))
 
 
@@ -96,13 +119,13 @@ def _best_of(
 
 
 def hill_climb(view: ProblemView, start: EpisodeResult, deadline: float) -> EpisodeResult:
-    """Move to the best neighbour while it is better (stage moves first, then block moves, then layer
+    """Move to the best neighbour while it is better (stage moves first, then split, block and layer
     moves: the next ring only when the one before has no better plan), until a local optimum or
     `deadline` (perf_counter)."""
     best = start
     while time.perf_counter() < deadline:
         step = best
-        for ring in (stage_neighbours, block_neighbours, layer_neighbours):
+        for ring in (stage_neighbours, split_neighbours, block_neighbours, layer_neighbours):
             step = _best_of(view, best, ring(view, best.assignment), deadline)
             if step is not best:
                 break

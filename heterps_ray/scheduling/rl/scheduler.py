@@ -9,7 +9,8 @@ The policy picks a resource type per layer (masked to the types that can run it)
 provisioning sets replicas and PS shards. Every plan the policy produces is a candidate: the
 episodes PPO sampled while training, the final policy's greedy plan and plans sampled from it,
 the env's reference plans (single-type and per-layer heuristics) and the plans of exact's level walk
-run with quick levels to a deadline (rl/level_plans.py); the best, optionally hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
+run with quick levels to a deadline and, with runtime terms, the plans its runtime levels scout
+(rl/level_plans.py); the best, optionally hill-climbed (rl/polish.py), is returned. `plan.extra` says which candidate won ("source") and
 what the policy alone reached ("policy_cost"), so the share of each part stays visible.
 """
 
@@ -33,7 +34,7 @@ from heterps_ray.errors import ConfigError
 from heterps_ray.scheduling.base import Scheduler, register_scheduler
 from heterps_ray.scheduling.provisioning import plan_from_counts
 from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, SchedulingEnv, better
-from heterps_ray.scheduling.rl.level_plans import level_plans
+from heterps_ray.scheduling.rl.level_plans import level_plans, scouted_plans
 from heterps_ray.scheduling.rl.policy import (
     PRETRAINED_DIR,
     NumpyPolicy,
@@ -104,6 +105,9 @@ class RLConfig:
     level_plans_s: float = 0.4
     """time for the level walk's plans before polishing (rl/level_plans.py; 0: none); without a
     polishing deadline (`iterations`) the walk runs to its end"""
+    scouted_plans_s: float = 0.7
+    """on a problem with runtime terms, time for the plans exact's runtime levels scout, before the
+    level walk's (rl/level_plans.scouted_plans; 0: none; without a deadline, all of them)"""
 
     def ppo_config(self, env_config: dict[str, Any], seed: int) -> Any:
         """The RLlib PPOConfig: one local env runner and one local learner, inside the current Ray."""
@@ -402,6 +406,15 @@ class RLScheduler(Scheduler):
         # the heuristics its reward is measured against.
         for name, assignment in view.reference_assignments.items():
             candidates.setdefault(f"reference:{name}", view.record(assignment))
+        if self.config.scouted_plans_s > 0.0:
+            began = time.perf_counter()
+            scouted = scouted_plans(
+                view, began + self.config.scouted_plans_s if math.isfinite(deadline) else math.inf
+            )
+            for result in scouted:
+                if better(candidates.get("scouted"), result):
+                    candidates["scouted"] = result
+            deadline += time.perf_counter() - began  # polishing keeps its own time
         if self.config.level_plans_s > 0.0:
             began = time.perf_counter()
             levels = level_plans(
