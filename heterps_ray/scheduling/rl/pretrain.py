@@ -37,6 +37,9 @@ PRETRAIN_CONFIG = RLConfig(
 WIDE_LAYERS, WIDE_TYPES = (20, 120), (3, 8)  # production-sized problems (issue 16), wide catalogue
 WIDE_SEED_OFFSET = 2_000_000  # the wide part of the training pool: seed + this
 GPU_CLOUD_SEED_OFFSET = 3_000_000  # its GPU-cloud part (scheduling/gpu_cloud.py): seed + this
+# The held-out set (issue 40): generate_problem(HELD_OUT_SEED + i) at fixed shapes (BENCHMARKS.md, "the
+# held-out set"). Never a training pool's stream nor a benchmark suite's seed: keep it so.
+HELD_OUT_SEED = 9_000_000
 
 
 def training_pool(
