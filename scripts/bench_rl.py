@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         "types users rent, a table whose place is priced, a runtime section)",
     )
     parser.add_argument(
+        "--runtime",
+        action="store_true",
+        help="give each problem a runtime section as the profiler writes one (generator.with_runtime_section): "
+        "the true model of the classic and wide catalogues (gpu_cloud problems have their own)",
+    )
+    parser.add_argument(
         "--exact-time-limit-s",
         type=float,
         default=None,
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from heterps_ray.errors import HeterPSError
     from heterps_ray.scheduling import get_scheduler
-    from heterps_ray.scheduling.generator import generate_problem
+    from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
     from heterps_ray.scheduling.rl import RLScheduler
     from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             problem = generate_problem(
                 seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue=args.catalogue
             )
+            if args.runtime and problem.runtime is None:
+                problem = with_runtime_section(problem)
             key = problem_fingerprint(problem)
             if key not in cache:
                 exact = get_scheduler("exact", budget_s=args.exact_time_limit_s).schedule(problem)
