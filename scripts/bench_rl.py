@@ -2,6 +2,7 @@
 
     python scripts/bench_rl.py --problems 50 --modes zero-shot                   # the pretrained policy
     python scripts/bench_rl.py --problems 10 --modes finetune,train --budget-s 60 --baselines greedy,genetic
+    python scripts/bench_rl.py --held-out --exact-time-limit-s 30 --exact-cache benchmarks/rl_exact_cache_held_out.json
 
 Modes: `zero-shot` (the shipped pretrained policy, no training), `finetune` (that policy trained
 further on the problem for --budget-s), `train` (a fresh policy trained on the problem for
@@ -21,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         default="classic",
         help="generator catalogue: classic, wide (issue 16: up to 11 types), or gpu_cloud (issue 40: the GPU "
         "types users rent, a table whose place is priced, a runtime section)",
+    )
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help="the held-out set (rl/pretrain.held_out_problems: fixed shapes from seed 9,000,000) instead of "
+        "--seeds/--problems and the shape options; never a setting's judge",
     )
     parser.add_argument(
         "--runtime",
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from heterps_ray.scheduling import get_scheduler
     from heterps_ray.scheduling.generator import generate_problem, with_runtime_section
     from heterps_ray.scheduling.rl import RLScheduler
+    from heterps_ray.scheduling.rl.pretrain import held_out_problems
     from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
     torch.set_num_threads(1)
@@ -105,19 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     done = _done_rows(args.output, modes, baselines)
     rows = []
     with args.output.open("a") as out:
-        seeds = (
-            [int(x) for x in args.seeds.split(",")]
-            if args.seeds
-            else range(args.seed, args.seed + args.problems)
-        )
-        for seed in seeds:
+        if args.held_out:
+            problems: Iterable[tuple[int, Any]] = held_out_problems()
+        else:
+            seeds = (
+                [int(x) for x in args.seeds.split(",")]
+                if args.seeds
+                else range(args.seed, args.seed + args.problems)
+            )
+            problems = ((seed, None) for seed in seeds)
+        for seed, problem in problems:
             if seed in done:
                 rows.append(done[seed])
                 continue
             _wait_while_quiet()
-            problem = generate_problem(
-                seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue=args.catalogue
-            )
+            if problem is None:
+                problem = generate_problem(
+                    seed, num_layers=tuple(args.layers), num_types=tuple(args.types), catalogue=args.catalogue
+                )
             if args.runtime and problem.runtime is None:
                 problem = with_runtime_section(problem)
             key = problem_fingerprint(problem)
@@ -206,14 +220,22 @@ def _progress(row: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _suite_text(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    if args.held_out:
+        return f"the held-out set, seeds {_seed_text(rows)}: rl/pretrain.HELD_OUT_SHAPES"
+    return (
+        f"seeds {_seed_text(rows)}, {args.catalogue} catalogue, "
+        f"{args.layers[0]}..{args.layers[1]} layers, {args.types[0]}..{args.types[1]} types"
+    )
+
+
 def _markdown(rows: list[dict[str, Any]], columns: list[str], command: str, args: argparse.Namespace) -> str:
     feasible = [r for r in rows if r["exact"] is not None]
     lines = [
         SECTION,
         "",
         f"Command: `{command}`  ",
-        f"{len(rows)} generated problems (seeds {_seed_text(rows)}, {args.catalogue} catalogue, "
-        f"{args.layers[0]}..{args.layers[1]} layers, {args.types[0]}..{args.types[1]} types), "
+        f"{len(rows)} generated problems ({_suite_text(rows, args)}), "
         f"{len(feasible)} with a feasible plan; {platform.node()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "`-policy` columns: the policy's own best plan (greedy rollout / sampled episodes) before local polishing.",
         "",

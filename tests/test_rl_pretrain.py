@@ -12,7 +12,9 @@ from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.rl import ProblemView, RLConfig
 from heterps_ray.scheduling.rl.policy import load_policy
 from heterps_ray.scheduling.rl.pretrain import (
+    HELD_OUT_SHAPES,
     MISSED_RATIO,
+    held_out_problems,
     policy_only_score,
     pretrain,
     training_pool,
@@ -49,6 +51,21 @@ def test_training_pool_validation_set_and_benchmark_problems_never_overlap():
     }
     assert len(clouds) == 3 and all(p.runtime is not None for p in clouds)
     assert not {problem_fingerprint(p) for p in clouds} & suite
+
+
+def test_the_held_out_set_is_apart_from_the_training_pools_and_the_suites():
+    held = held_out_problems()
+    assert len({seed for seed, _ in held}) == len(held) == 3 * len(HELD_OUT_SHAPES)
+    shapes = {(p.num_layers, p.num_types, p.runtime is not None) for _, p in held}
+    assert shapes == {(60, 3, False), (100, 7, False), (60, 3, True), (110, 8, True)}  # GPU clouds: runtime
+    apart = {problem_fingerprint(p) for _, p in held}
+    pool = training_pool(5, seed=0, wide=5, gpu_cloud=5)
+    suites = [
+        generate_problem(s, num_layers=(20, 120), num_types=(3, 8), catalogue=c)
+        for c, n in (("wide", 40), ("gpu_cloud", 24))
+        for s in range(n)
+    ]
+    assert not apart & {problem_fingerprint(p) for p in pool + suites}
 
 
 def test_policy_only_score_is_the_best_rollout_over_the_exact_optimum():

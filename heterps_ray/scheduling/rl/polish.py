@@ -69,9 +69,9 @@ def block_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tup
 
 
 def split_neighbours(view: ProblemView, assignment: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Assignments one split move away: a stage of 3 or more layers cut in two or three at its
-    middle (its second half, or its middle third, on another type): a replicated stage becomes a
-    deeper pipeline of cheaper stages."""
+    """Assignments one split move away: a stage of 3 or more layers cut in two or three (its first
+    or second half, or its middle third, on another type): a replicated stage becomes a deeper
+    pipeline of cheaper stages."""
     runnable = view.model.runnable
     moves: set[tuple[int, ...]] = set()
     for start, end, current in view.model.split_stages(list(assignment)):

@@ -37,9 +37,12 @@ PRETRAIN_CONFIG = RLConfig(
 WIDE_LAYERS, WIDE_TYPES = (20, 120), (3, 8)  # production-sized problems (issue 16), wide catalogue
 WIDE_SEED_OFFSET = 2_000_000  # the wide part of the training pool: seed + this
 GPU_CLOUD_SEED_OFFSET = 3_000_000  # its GPU-cloud part (scheduling/gpu_cloud.py): seed + this
-# The held-out set (issue 40): generate_problem(HELD_OUT_SEED + i) at fixed shapes (BENCHMARKS.md, "the
-# held-out set"). Never a training pool's stream nor a benchmark suite's seed: keep it so.
+# The held-out set (issue 40, BENCHMARKS.md "the held-out set"): 3 problems of each shape, from
+# generate_problem(HELD_OUT_SEED + 10 * shape + i), shapes that no suite uses. Never a training pool's stream
+# nor a benchmark suite's seed, and never a setting's judge: keep it so.
 HELD_OUT_SEED = 9_000_000
+HELD_OUT_SHAPES = ((60, 3, "wide"), (100, 7, "wide"), (60, 3, "gpu_cloud"), (110, 8, "gpu_cloud"))
+HELD_OUT_PER_SHAPE = 3
 
 
 def training_pool(
@@ -87,6 +90,20 @@ def validation_problems(
         generate_problem(VALIDATION_SEED + i, num_layers=layers, num_types=types, catalogue=catalogue)
         for i in range(count)
     ]
+
+
+def held_out_problems() -> list[tuple[int, Problem]]:
+    """The held-out set: (seed, problem) per problem, HELD_OUT_PER_SHAPE of each of HELD_OUT_SHAPES
+    (layers, types, catalogue)."""
+    out = []
+    for k, (layers, types, catalogue) in enumerate(HELD_OUT_SHAPES):
+        for i in range(HELD_OUT_PER_SHAPE):
+            seed = HELD_OUT_SEED + 10 * k + i
+            problem = generate_problem(
+                seed, num_layers=(layers, layers), num_types=(types, types), catalogue=catalogue
+            )
+            out.append((seed, problem))
+    return out
 
 
 def pretrain(
