@@ -406,23 +406,17 @@ class RLScheduler(Scheduler):
         # the heuristics its reward is measured against.
         for name, assignment in view.reference_assignments.items():
             candidates.setdefault(f"reference:{name}", view.record(assignment))
-        if self.config.scouted_plans_s > 0.0:
+        searches = (
+            ("scouted", scouted_plans, self.config.scouted_plans_s),
+            ("levels", level_plans, self.config.level_plans_s),
+        )
+        for source, plans_of, seconds in searches:
+            if seconds <= 0.0:
+                continue
             began = time.perf_counter()
-            scouted = scouted_plans(
-                view, began + self.config.scouted_plans_s if math.isfinite(deadline) else math.inf
-            )
-            for result in scouted:
-                if better(candidates.get("scouted"), result):
-                    candidates["scouted"] = result
-            deadline += time.perf_counter() - began  # polishing keeps its own time
-        if self.config.level_plans_s > 0.0:
-            began = time.perf_counter()
-            levels = level_plans(
-                view, began + self.config.level_plans_s if math.isfinite(deadline) else math.inf
-            )
-            for result in levels:
-                if better(candidates.get("levels"), result):
-                    candidates["levels"] = result
+            for result in plans_of(view, began + seconds if math.isfinite(deadline) else math.inf):
+                if better(candidates.get(source), result):
+                    candidates[source] = result
             deadline += time.perf_counter() - began  # polishing keeps its own time
         if self.config.polish:  # the best plans found first, then the policy's greedy plan
             starts = view.top(self.config.polish_starts) + [candidates["greedy"]]
