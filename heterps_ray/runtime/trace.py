@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from heterps_ray.devices import TRACE_DIR_VAR
 
 _lock = threading.Lock()
 _count = 0
+_files: dict[Path, TextIO] = {}  # this process's trace file, opened once (flushed per line: a killed run keeps it)
 
 
 def digest(value: Any) -> list[Any]:
@@ -63,8 +64,10 @@ def event(name: str, where: str, *tensors: Sequence[Any] | Mapping[str, Any]) ->
     for group, named in enumerate(tensors):
         items = named.items() if isinstance(named, Mapping) else enumerate(named)
         record.update({f"{group}.{key}": digest(t) for key, t in items if t is not None})
+    path = Path(os.environ[TRACE_DIR_VAR]) / f"{os.getpid()}.jsonl"
     with _lock:
         record["n"] = _count
         _count += 1
-        with open(Path(os.environ[TRACE_DIR_VAR]) / f"{os.getpid()}.jsonl", "a") as out:
-            out.write(json.dumps(record) + "\n")
+        out = _files.get(path) or _files.setdefault(path, open(path, "a"))  # noqa: SIM115 (kept open)
+        out.write(json.dumps(record) + "\n")
+        out.flush()

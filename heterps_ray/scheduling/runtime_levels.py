@@ -123,10 +123,7 @@ class RuntimeLevels(LevelPricing):
         self.valid = ~bad
         _, self.alpha = model.segment_tables()
         self.busy = {}  # hosted (bool) -> busy ms per micro-batch [L, L, T]
-        for hosted in (
-            False,
-            True,
-        ):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
+        for hosted in (False, True):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
             rate = np.array([table_rate(problem, terms, r.name, hosted).ms_per_row for r in types])
             ps_wait = np.where(i == 0, rows * rate[None, None, :], 0.0)
             self.busy[hosted] = np.where(bad, np.inf, compute + other + first + ps_wait)
@@ -303,11 +300,7 @@ class RuntimeLevels(LevelPricing):
                 if not ratio:
                     self._mix[(hosted, target, n)] = lam
                 paths += [assignment_of(p) for p in met]
-                mixed = (
-                    mixed_weights(plain, priced, lam)
-                    if 0.0 < lam < 1.0
-                    else (plain if lam == 0.0 else priced)
-                )
+                mixed = mixed_weights(plain, priced, lam) if 0.0 < lam < 1.0 else (plain if lam == 0.0 else priced)
                 found.append((value + fixed, fixed, hosted, n, mixed, k, cap))
         # the limits: raise the weights' bounds from the lowest up while one is below the others (the
         # bound is their minimum, so a weight above it needs no work)
