@@ -312,7 +312,7 @@ def test_level_plans_are_priced_on_the_true_model_with_runtime_terms():
 
 def test_scouted_plans_reach_a_deep_pipeline_ten_times_above_the_floor():
     # GPU cloud seed 16 (74 layers x 6 types): the floor is 2,714 samples/s, the optimum a pipeline of
-    # 9 one-replica stages at ~26,000 (exact proves $3,337.21 in 44 s: BENCHMARKS.md, issue 40). The
+    # 9 one-replica stages at ~26,000 (exact proves $3,337.21 in 43 s: BENCHMARKS.md, issue 40). The
     # scout once stopped at the floor's level, its bound per sample/s still falling (8 plans, the best
     # 1.37x); now it finds one within 9%, from which polishing goes on.
     problem = generate_problem(16, num_layers=(20, 120), num_types=(3, 8), catalogue="gpu_cloud")
