@@ -115,3 +115,40 @@ def test_quick_levels_are_optimal_where_the_counting_dp_fits():
         assert fast.rate == pytest.approx(solved.rate, rel=REL)
         assert provision_counts(model, fast.assignment).feasible
     assert broken >= 3  # the limits bind: the relaxed path is not the answer at most levels
+
+
+def _gpu_cloud_levels():  # a 74-layer x 6-type GPU-cloud problem whose levels take an ILP each
+    from heterps_ray.scheduling.runtime_levels import RuntimeLevels
+
+    problem = generate_problem(16, num_layers=(20, 120), num_types=(3, 8), catalogue="gpu_cloud")
+    return RuntimeLevels(CostModel(problem))
+
+
+def test_an_ilp_bounded_below_its_optimum_proves_only_its_bound():
+    """Told to look below a rate under R*(X) (the incumbent's, or the walk's cutoff), HiGHS can answer
+    "optimal" with a plan above that rate and that plan's cost as its dual bound, though cheaper plans
+    above the rate exist (issue 40: at 30,000 samples/s it answered 36.8848 where the optimum is
+    36.8728). A level's bound is what the walk steps on: it must stay at or below R*(X)."""
+    from heterps_ray.scheduling.runtime_ilp import solve_case
+
+    levels = _gpu_cloud_levels()
+    for target in (13687.0, 30000.0):
+        free = solve_case(levels, False, target, True, float("inf"))
+        assert free is not None and free.rate <= free.bound * (1.0 + 1e-9)
+        for share in (0.999, 0.995):
+            bounded = solve_case(levels, False, target, True, free.rate * share)
+            assert bounded is None or bounded.bound <= free.rate * (1.0 + 1e-9)
+
+
+def test_a_level_with_no_plan_below_the_cutoff_answers_with_the_cutoff_as_its_bound():
+    """With no plan known at a level, the walk's cutoff still bounds its ILP: where R*(X) is above it
+    the level answers no plan and the cutoff (the walk skips on it); below it, the optimum itself."""
+    levels = _gpu_cloud_levels()
+    target = 34300.0
+    optimum = levels.solve(target)
+    assert optimum is not None and optimum.assignment and optimum.rate <= optimum.bound * (1.0 + 1e-7)
+    fresh = _gpu_cloud_levels()
+    below = fresh.solve(target, cutoff=optimum.rate * 0.99)
+    assert below is not None and below.assignment == () and below.bound == optimum.rate * 0.99
+    above = fresh.solve(target, cutoff=optimum.rate * 1.01)
+    assert above is not None and above.rate == pytest.approx(optimum.rate, rel=1e-9)

@@ -55,9 +55,9 @@ TIME_LIMIT = "time limit"  # Proof.stop when the deadline ended the search: the 
 class Level:
     """The cheapest plan found at one target throughput X, with a proven bound on R*(X)."""
 
-    rate: float  # $/hour of the plan found (>= R*(X))
+    rate: float  # $/hour of the plan found (>= R*(X)); inf: no plan found below the walk's cutoff
     bound: float  # proven lower bound on R*(X) ($/hour); == rate where the level is solved exactly
-    assignment: tuple[int, ...]
+    assignment: tuple[int, ...]  # () where no plan was found below the cutoff (the bound is the cutoff)
     throughput: float = math.nan  # samples/s the plan reaches *at that rate* (>= X; nan: not priced)
 
 
@@ -133,7 +133,8 @@ class LevelPricing(ABC):
         """The cheapest plan reaching `target` with a proven bound on R*(target); None only when no plan
         reaches it. objective False: any plan reaching it (a feasibility check). `cutoff`: a rate
         ($/hour) the caller needs no plan at or above; where R*(target) >= cutoff a pricing may answer
-        with a dearer plan and the bound `cutoff` (the walk then skips on the bound)."""
+        with a dearer plan, or none (assignment ()), and the bound `cutoff` (the walk then skips on the
+        bound)."""
         ...
 
     def ratio_bound(self, low: float, high: float) -> float:
@@ -172,7 +173,7 @@ def cheapest(pricing: LevelPricing, floor: float, seeds: list[tuple[int, ...]]) 
 
     def consider(assignment: tuple[int, ...] | None, keep: bool = True) -> None:
         nonlocal best, known
-        if assignment is None:
+        if not assignment:
             return
         counts = provision_counts(model, assignment)
         known = max(known, counts.max_throughput)

@@ -479,7 +479,8 @@ class RuntimeLevels(LevelPricing):
         `objective` False: any plan reaching it (a feasibility check). With an incumbent (a plan reaching
         `target` at rate `upper`) HiGHS looks only below min(upper, cutoff): "infeasible" then proves
         R*(target) >= that limit (plans through the segments `_through` excludes cost at least it, the
-        rest are the ILP's), the level answers with the incumbent and that bound."""
+        rest are the ILP's), the level answers with the incumbent and that bound; with none, HiGHS looks
+        below the cutoff alone, and finding nothing there answers with no plan and the bound."""
         lb, paths = self.lower_bound(target)
         if not math.isfinite(lb):
             return None
@@ -496,7 +497,10 @@ class RuntimeLevels(LevelPricing):
             rate, at = self.rate_at(assignment, target)
             if rate < upper:
                 upper, incumbent, reached = rate, assignment, at
-        limit = min(upper, cutoff) if incumbent is not None else upper
+        # with no plan known at the level the cutoff still bounds the ILP: at the top of a problem whose
+        # cheapest plan is its fastest, no known plan reaches the levels, and their ILPs over every
+        # segment (12,000 at 110 x 8) took 1-3 s each where R*(target) was above the cutoff anyway
+        limit = min(upper, cutoff)
         best: Level | None = None
         for hosted in self._cases():
             level = solve_case(self, hosted, target, objective, limit)
@@ -511,7 +515,8 @@ class RuntimeLevels(LevelPricing):
             # optimal where limit is upper, else R*(target) >= limit, the bound
             return Level(upper, limit if best is None else min(limit, best.bound), incumbent, reached)
         if best is None:
-            return None
+            # no plan below the cutoff (if finite): R*(target) >= cutoff, a bound without a plan
+            return Level(math.inf, cutoff, ()) if objective and math.isfinite(cutoff) else None
         # the level's plan is the ILP's assignment with its counts re-provisioned: its rate and the
         # throughput it reaches at that rate belong together (the walk steps on them). Not the ILP's own
         # rate: within HiGHS' tolerances its counts may miss the level by a hair and cost less than any
@@ -553,10 +558,17 @@ class RuntimeLevels(LevelPricing):
             if known <= 0.0:
                 return 0.0, None
         lo, hi = known, self.throughput_bound(known)
+        # after a bisection step finds a plan, the level just above what that plan reaches comes next:
+        # near the top the plan found is often the fastest, and one level no plan reaches then proves
+        # it, where halving the interval down to STEP_RTOL took ~20 more ILPs (issue 40: a 110 x 8
+        # refusal, 21 of its 32 ILPs)
+        just_above = False
         while hi > lo * (1.0 + STEP_RTOL) and hi > 0:
             if self.out_of_time():
                 break
-            mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
+            probe = just_above
+            mid = lo * (1.0 + STEP_RTOL) if probe else (math.sqrt(lo * hi) if lo > 0 else hi / 2.0)
+            just_above = False
             self.proof.bisection_steps += 1
             level = self.solve(mid * (1.0 - REACH_RTOL), objective=False)
             if level is None:
@@ -567,4 +579,5 @@ class RuntimeLevels(LevelPricing):
                 hi = mid
                 continue
             lo, best = max(lo, reached), level.assignment
+            just_above = not probe
         return lo, best
