@@ -24,7 +24,7 @@ ROW_SLACK = 1e-12  # the ILP's loop and host rows relaxed by this (relative): fl
 # incumbent bound instead. At the root HiGHS then spent most of its time separating cuts into a pool of
 # thousands that closed little of the gap: a pool of 3, with the cheap primal heuristics off too (where
 # the level has an objective: a feasibility check keeps them, they find its plan), took the ILPs of a
-# 74 x 6 GPU-cloud problem from 35 s to 10 s with the same answers (BENCHMARKS "Exact within 20 s").
+# 74 x 6 GPU-cloud problem from 34 s to 9.5 s with the same answers (BENCHMARKS "Exact within 20 s").
 MIP_OPTIONS: dict[str, Any] = {
     "presolve": False,
     "mip_heuristic_run_rins": False,
@@ -40,7 +40,7 @@ PRIMAL_HEURISTICS_OFF = {
 # Strong branching solves an LP per candidate column before it trusts a column's pseudo-costs. Up to
 # ~3,000 segments it keeps the trees small (1-80 nodes) and pays; at 5,000-13,000 segments each of
 # those LPs is dear and pseudo-costs from the start (mip_pscost_minreliable 0) took a 108 x 5 problem's
-# ILPs from 29 s to 11 s and a 110 x 8 one's from 37 s to 18 s, while on 3,000-segment levels they
+# ILPs from 28 s to 11 s and a 110 x 8 one's from 35 s to 17 s, while on 3,000-segment levels they
 # grew the trees to 300-2,100 nodes and doubled the time.
 PSEUDO_COST_FROM_SEGMENTS = 4000
 
