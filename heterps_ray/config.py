@@ -412,6 +412,12 @@ class RuntimeConfig(BaseModel):
         description="threads converting the data's read chunks in each DataWorker (key hashing, the dense "
         "transform); default: the CPUs its type asks Ray for beyond its torch threads, at least 1",
     )
+    op_profile_batches: int = Field(
+        0,
+        ge=0,
+        description="batches (after a DataWorker's first 10) whose ops torch.profiler counts: aten ops, GPU "
+        "kernels and waits for the device per batch, in the run summary's data_ops_per_batch (0: none)",
+    )
     gpu_table: Literal["auto", "off"] = Field(
         "auto",
         description="auto: when stage 0 runs on a cuda type in one DataWorker, the table's rows live in its "

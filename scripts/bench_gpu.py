@@ -19,6 +19,13 @@ On a GPU machine (prepared with ``bash ../shared/gpu/prepare.sh``; on it ``sourc
 On the CPU (CI), tiny, with the cuda type on the CPU under the explicit test flag::
 
     HETERPS_CUDA_AS_CPU=1 python scripts/bench_gpu.py --tiny --workdir /tmp/bench_gpu_tiny
+
+The CPU stand-in for the GPU gap (``--proxy``, issue 49): the same comparison on the CPU, the cuda type
+computing there under the test flag, through the device tier's own code. A table-bound job (26 slots x
+dim 16, dense 64-32, 450k Criteo-shaped rows): heterps' one-stage plan with its table in the device tier
+against the plain loop on the same device, alternating, at batch 2048 and 8192::
+
+    ../shared/bench/quiet.sh && HETERPS_CUDA_AS_CPU=1 python scripts/bench_gpu.py --proxy --workdir /tmp/bench_proxy
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ sys.path.insert(0, str(REPO))
 # The job of the first H200 run (../shared/gpu/h200-2026-12-04/job2m.yaml): CTR-DNN 26 x 16, 1024-1024-512-256.
 MODEL = {"name": "ctr_dnn", "embedding_dim": 16, "hidden": [1024, 1024, 512, 256]}
 TINY_MODEL = {"name": "ctr_dnn", "embedding_dim": 4, "hidden": [32, 16]}
+# --proxy: a table-bound job, where the sparse path is most of a step (issue 49)
+PROXY_MODEL = {"name": "ctr_dnn", "embedding_dim": 16, "hidden": [64, 32]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows (train + eval)")
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="default: 2048 8192 (64 128 with --tiny)"
+    )
+    parser.add_argument(
+        "--shape", default=None, help="the synthetic data's shape (heterps data synth --shape; "
+        "default: default, criteo-kaggle with --proxy)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the systems (alternating order)")
     parser.add_argument(
@@ -67,8 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         "--readers", type=int, default=6, help="threads converting the GPU DataWorker's data (runtime.readers)"
     )
     parser.add_argument("--cpu-cores", type=int, default=4, help="cores of one actor of the cpu type")
+    parser.add_argument(
+        "--gpu-threads", type=int, default=None, help="torch threads of the cuda type's actors "
+        "(default: 2; 1 with --tiny; every core with --proxy, as the plain loop's torch)",
+    )
     parser.add_argument("--systems", nargs="+", default=["plain_gpu", "heterps", "plain_cpu"])
     parser.add_argument("--tiny", action="store_true", help="CI: tiny model and data (CPU)")
+    parser.add_argument(
+        "--proxy",
+        action="store_true",
+        help="the CPU stand-in: a table-bound job, heterps' one-stage plan on the cuda type against the plain "
+        "loop on the same device (run with HETERPS_CUDA_AS_CPU=1)",
+    )
     parser.add_argument(
         "--quick-profile", action="store_true", help="a rough profile (the default with --tiny)"
     )
@@ -84,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         args.rows, args.plain_steps, args.plain_cpu_steps, args.min_samples = 6_000, 20, 20, 0
+    if args.proxy:
+        if os.environ.get("HETERPS_CUDA_AS_CPU") != "1":
+            parser.error("--proxy runs the cuda type on the CPU: set HETERPS_CUDA_AS_CPU=1")
+        args.rows, args.min_samples = max(args.rows // 4, 450_000), min(args.min_samples, 1_500_000)
+        args.systems = [s for s in args.systems if s != "plain_cpu"]  # one device: the loop on it is the peer
+        # a 2-core machine: one reader, and the profile's actors of both types (2 each) within its CPUs
+        args.quick_profile, args.readers, args.gpu_cpus, args.cpu_cores = True, 1, 0.5, 1
+        args.shape = args.shape or "criteo-kaggle"
     args.batch_sizes = args.batch_sizes or ([64, 128] if args.tiny else [2048, 8192])
     args.quick_profile = (args.quick_profile or args.tiny) and not args.full_profile
     args.workdir = args.workdir.resolve()
@@ -96,11 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     from heterps_ray.cluster import connect
     from heterps_ray.config import JobConfig
     from heterps_ray.data.dataset import prepare_dataset
+    from heterps_ray.data.layout import is_dataset
+    from heterps_ray.data.synth import SHAPES, SynthSpec, synthesize
     from heterps_ray.devices import claim_device, cuda_seen
 
     job = JobConfig.model_validate(_job(args, args.batch_sizes[0]))
     device = claim_device(args.gpu_type, "cuda")
     started = time.perf_counter()
+    if args.shape and not is_dataset(Path(job.data.path)):
+        synthesize(job.data.path, args.rows, seed=job.seed, spec=SynthSpec(**SHAPES[args.shape]))
     dataset = prepare_dataset(job.data, seed=job.seed)
     data_s = time.perf_counter() - started
     train = _load_train(dataset, device)
@@ -140,38 +175,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _job(args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
-    tiny = args.tiny
+    tiny, cheap_gpu = args.tiny, args.tiny or args.proxy
     gpu = {
         "name": args.gpu_type,
         "device": "cuda",
-        # tiny: cheaper than the cpu type, so that the plan (floor 0) runs on it through the GPU tier
-        "price_per_hour": 0.05 if tiny else 4.10,
-        "max_instances": 1,
+        # tiny, proxy: cheaper than the cpu type, so that the plan (floor 0) runs on it through the GPU tier
+        "price_per_hour": 0.05 if cheap_gpu else 4.10,
+        # proxy: a second one for the PS shards the planner counts (hosted in the DataWorker, they start none)
+        "max_instances": 2 if args.proxy else 1,
         "ray_resources": {"CPU": 0.5 if tiny else args.gpu_cpus},
         "num_gpus": 1,
-        "torch_threads": 1 if tiny else 2,
+        # proxy: every core of the machine, as the plain loop's torch has
+        "torch_threads": args.gpu_threads or (1 if tiny else (os.cpu_count() or 1) if args.proxy else 2),
         "bandwidth_gbps": 50,
         "io_bandwidth_gbps": 8,
         "latency_ms": 0.1,
     }
     cpu = {"name": "cpu", "device": "cpu", "price_per_hour": 0.17, "max_instances": 2 if tiny else 3,
-           "ray_resources": {"CPU": 0.5 if tiny else args.cpu_cores}, "torch_threads": 1 if tiny else args.cpu_cores,
+           "ray_resources": {"CPU": 0.5 if cheap_gpu else args.cpu_cores}, "torch_threads": 1 if tiny else args.cpu_cores,
            "bandwidth_gbps": 10, "io_bandwidth_gbps": 4, "latency_ms": 0.2}  # fmt: skip
     epochs = max(1, -(-args.min_samples // int(args.rows * 0.9)))
     return {
         "name": f"bench-gpu-{batch_size}",
-        "model": TINY_MODEL if tiny else MODEL,
-        "cluster": {"name": "gpu-box", "resource_types": [cpu, gpu], "ps": {"resource": "cpu"}},
+        "model": TINY_MODEL if tiny else PROXY_MODEL if args.proxy else MODEL,
+        # proxy: the cuda type alone, so that the plan is its one stage, the table in its device tier
+        "cluster": {"name": "gpu-box", "resource_types": [gpu] if args.proxy else [cpu, gpu],
+                    "ps": {"resource": gpu["name"] if args.proxy else "cpu"}},  # fmt: skip
         "data": {"path": str(args.workdir / "data"), "synth_rows": args.rows},
         "batch_size": batch_size,
         "samples": epochs * int(args.rows * 0.9),  # what a run trains (its cold misses priced over it)
-        "throughput_min": 0 if tiny else 60_000,
+        "throughput_min": 0 if cheap_gpu else 60_000,
         "mode": "sync",
         "scheduler": "exact",
         "output_dir": str(args.workdir / f"run-{batch_size}"),
         "seed": 0,
         # a run long enough for its steady rate (several chunks after the warm-up one)
-        "runtime": {"epochs": epochs, "readers": 1 if tiny else args.readers},
+        "runtime": {"epochs": epochs, "readers": 1 if tiny else args.readers, "op_profile_batches": 5},
     }
 
 
@@ -282,6 +321,8 @@ def _heterps(
         "train_seconds": summary["seconds"],
         "data_wait_s": summary["extra"].get("data_wait_s"),  # blocked on the reader / on gradients
         "data_phases_s": summary["extra"].get("data_phases_s"),  # its training thread: read, pull, compute, ...
+        "threads_cpu_ms_per_batch": summary["extra"].get("data_threads_cpu_ms_per_batch"),  # every thread's CPU
+        "ops_per_batch": summary["extra"].get("data_ops_per_batch"),  # aten ops, kernels, waits; host/aten ms
     }  # fmt: skip
     return run, problem or Path(report.output_dir) / "problem.yaml"
 
@@ -290,7 +331,8 @@ def _heterps(
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per batch size: each system's median throughput, and heterps over the plain loops."""
+    """Per batch size: each system's median throughput, heterps over the plain loops, and where a heterps
+    batch went (:func:`_where`)."""
     out: dict[str, Any] = {}
     for batch_size in sorted({r["batch_size"] for r in runs}):
         mine = [r for r in runs if r["batch_size"] == batch_size]
@@ -305,8 +347,36 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 r["model_error"] for r in mine if r["system"] == "heterps" and r["model_error"] is not None
             ]
             row["model_error_median"] = statistics.median(errors) if errors else None
+            row["where"] = _where([r for r in mine if r["system"] == "heterps"], batch_size, medians)
         out[str(batch_size)] = row
     return out
+
+
+def _where(runs: list[dict[str, Any]], batch_size: int, medians: dict[str, float]) -> dict[str, Any]:
+    """Where a heterps batch went (the first DataWorker, medians over the runs), in ms a batch: its
+    step beside the plain loop's; the training thread's phases; every thread's CPU; the batch's ops and
+    waits (torch.profiler, a few batches); and the host work a GPU would not take over (the training
+    thread outside torch's ops, and the reader thread) as a share of the plain loop's step."""
+
+    def median_of(values: list[dict[str, float]]) -> dict[str, float]:
+        keys = sorted({k for v in values for k in v})
+        return {k: round(statistics.median(v.get(k, 0.0) for v in values), 3) for k in keys}
+
+    batches = [max(r["samples"] // batch_size, 1) for r in runs]
+    where: dict[str, Any] = {"step_ms": {s: 1000.0 * batch_size / rate for s, rate in medians.items()}}
+    phases = [{k: 1000.0 * v / n for k, v in (r.get("data_phases_s") or [{}])[0].items()}
+              for r, n in zip(runs, batches, strict=True)]  # fmt: skip
+    where["phases_ms"] = median_of(phases)
+    where["threads_cpu_ms"] = median_of([(r.get("threads_cpu_ms_per_batch") or [{}])[0] for r in runs])
+    ops = [o[0] for o in (r.get("ops_per_batch") for r in runs) if o and o[0]]
+    if ops:
+        where["ops"] = median_of(ops)
+        peer = next((p for p in ("plain_gpu", "plain_cpu") if p in medians), None)
+        if peer:
+            host = where["ops"]["host_ms"] + where["threads_cpu_ms"].get("reader", 0.0)
+            where["host_ms"] = round(host, 3)
+            where["host_over_plain_step"] = round(host / where["step_ms"][peer], 3)
+    return where
 
 
 def _table(summary: dict[str, Any]) -> list[str]:
@@ -321,6 +391,21 @@ def _table(summary: dict[str, Any]) -> list[str]:
                     if value is not None
                     else f"{batch_size:>6}  {key}: -"
                 )
+    for batch_size, row in summary.items():
+        where = row.get("where")
+        if not where:
+            continue
+        lines.append(f"where a heterps batch of {batch_size} went (ms a batch; the first DataWorker):")
+        steps = ", ".join(f"{s} {ms:.2f}" for s, ms in where["step_ms"].items())
+        lines.append(f"  step: {steps}")
+        for title, key in (("training thread", "phases_ms"), ("CPU by thread", "threads_cpu_ms"), ("ops", "ops")):
+            if key in where:
+                lines.append(f"  {title}: " + ", ".join(f"{k} {v:g}" for k, v in where[key].items()))
+        if "host_over_plain_step" in where:
+            lines.append(
+                f"  host work a GPU would not take over: {where['host_ms']:.2f} ms, "
+                f"{where['host_over_plain_step']:.1%} of the plain loop's step"
+            )
     return lines
 
 

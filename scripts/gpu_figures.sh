@@ -2,8 +2,11 @@
 # The GPU figures of issue 39 in one command, on a GPU machine prepared as the README's GPU section says
 # (Ray and the rest from .whl/: `bash ../shared/gpu/prepare.sh` here, then carried): gpu_check.py, then
 # bench_gpu.py (the plain loop beside heterps' best plan, alternating, at batch 2048 and 8192). Writes
-# into OUTDIR: gpu_check.json/.log, bench_gpu.json/.log, and the profiled run's problem.yaml and reports.
+# into OUTDIR: gpu_check.json/.log, bench_gpu.json/.log, machine.txt, and the profiled run's problem.yaml
+# and reports. bench_gpu.py's table says where a batch went (phases, every thread's CPU, ops and waits).
 #   source .whl/install.sh && bash scripts/gpu_figures.sh "$OUT"
+# Keep every run's files: copy OUTDIR to benchmarks/gpu/YYYY-MM-DD-<card>/ and commit them, so that a figure
+# in BENCHMARKS.md can be checked against what the machine printed.
 set -uo pipefail
 out=${1:?usage: gpu_figures.sh OUTDIR}
 mkdir -p "$out"

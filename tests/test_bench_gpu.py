@@ -47,7 +47,17 @@ def test_the_gpu_bench_runs_tiny_with_heterps_table_in_the_gpu_tier(tmp_path):
         (phases,) = run["data_phases_s"]
         assert {"read", "pull", "compute", "push", "step"} <= set(phases), phases
         assert 0 < sum(phases.values()) <= run["train_seconds"] * 1.05 + 0.05, (phases, run["train_seconds"])
+        # every thread's CPU a batch, and a few batches' ops split into device work and host work
+        (threads,) = run["threads_cpu_ms_per_batch"]
+        assert threads["training"] > 0, threads
+        (ops,) = run["ops_per_batch"]
+        assert ops["aten_ops"] > 20 and ops["data_dependent_ops"] >= 1, ops  # the one wait: the keys it lacks
+        assert ops["aten_ms"] > 0 and ops["host_ms"] > 0 and ops["wall_ms"] > ops["aten_ms"], ops
     row = results["summary"]["64"]
     assert set(row["median"]) == {"plain_gpu", "plain_cpu", "heterps"}
     assert row["heterps_over_plain_gpu"] > 0 and row["heterps_over_plain_cpu"] > 0
     assert "heterps_over_plain_gpu" in done.stdout
+    where = row["where"]
+    assert set(where["step_ms"]) == {"plain_gpu", "plain_cpu", "heterps"}
+    assert 0 < where["host_ms"] and 0 < where["host_over_plain_step"], where
+    assert "host work a GPU would not take over" in done.stdout

@@ -1,7 +1,8 @@
-"""ps/device_table.py: the GPU tier of a sparse table, here on the CPU (the same tensor code a GPU runs).
-What it must keep: the rows and optimizer state the CPU store (ps/_rows.c) computes, bit for bit, whether
-it holds every row or a cache 4x smaller than the table; the shards behind it get every changed row and
-count every batch at a flush."""
+"""ps/device_table.py and ps/device_index.py: the GPU tier of a sparse table and its key index, here on
+the CPU (the same tensor code a GPU runs). What it must keep: the rows and optimizer state the CPU store
+(ps/_rows.c) computes, bit for bit, whether it holds every row or a cache 4x smaller than the table; no
+row a batch in flight uses is evicted; the shards behind it get every changed row and count every batch
+at a flush; the index finds every key it holds, and only those."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from heterps_ray.ps.client import PSClient
-from heterps_ray.ps.device_table import DeviceTable, KeyIndex
+from heterps_ray.ps.device_index import DeviceIndex
+from heterps_ray.ps.device_table import DeviceTable
 from heterps_ray.ps.shard import PSShard
 from heterps_ray.ps.spec import TableSpec
 from heterps_ray.ps.table import SparseTable
@@ -41,11 +43,11 @@ def _train_both(spec: TableSpec, capacity: int, steps: int = 40):
     worst = 0.0
     for step, (keys, grads) in enumerate(_batches(5, steps)):
         expected = store.pull(keys.ravel(), step=step)
-        slots = table.resolve(keys, table.locate(keys), client, "t", step)
-        got = table.gather(torch.from_numpy(slots), step).numpy()
+        batch = table.resolve(table.dedupe(keys), client, "t", step)
+        got = table.gather(batch).reshape(-1, spec.dim).numpy()
         worst = max(worst, float(np.abs(got - expected).max()))
         store.push(keys.ravel(), grads)
-        table.apply(torch.from_numpy(slots), torch.from_numpy(grads), (0, step, 0))
+        table.apply(batch, torch.from_numpy(grads), (0, step, 0))
     table.flush(client, "t")
     return store, shard, table, worst
 
@@ -91,8 +93,8 @@ def test_a_flush_counts_every_batch_on_every_shard_and_writes_back_what_changed(
     table = DeviceTable(spec, CPU, 1000)
     keys = np.arange(10, dtype=np.int64)
     for batch in range(3):
-        slots = table.resolve(keys, None, client, "t", batch)
-        table.apply(torch.from_numpy(slots), torch.ones(10, 2), (0, batch, 0))
+        resolved = table.resolve(table.dedupe(keys), client, "t", batch)
+        table.apply(resolved, torch.ones(10, 2), (0, batch, 0))
     before = [s.state() for s in shards]
     table.flush(client, "t")
 
@@ -113,8 +115,8 @@ def test_a_flush_of_an_older_generation_is_dropped_whole():
     shard = PSShard(0, 1, {"t": spec})
     client = PSClient([shard], hosted=True)
     table = DeviceTable(spec, CPU, 100)
-    slots = table.resolve(np.arange(4, dtype=np.int64), None, client, "t", 0)
-    table.apply(torch.from_numpy(slots), torch.ones(4, 2), (0, 0, 0))
+    resolved = table.resolve(table.dedupe(np.arange(4, dtype=np.int64)), client, "t", 0)
+    table.apply(resolved, torch.ones(4, 2), (0, 0, 0))
     shard.fence(1)  # a recovery happened meanwhile
     before = shard.state()["sparse/t/weights"]
     table.flush(client, "t")
@@ -127,42 +129,56 @@ def test_a_batch_bigger_than_the_cache_is_refused_with_the_figures():
     client = PSClient([PSShard(0, 1, {"t": spec})], hosted=True)
     table = DeviceTable(spec, CPU, 5)
     with pytest.raises(RuntimeError, match="holds 5 rows and one batch needs 8"):
-        table.resolve(np.arange(8, dtype=np.int64), None, client, "t", 0)
+        table.resolve(table.dedupe(np.arange(8, dtype=np.int64)), client, "t", 0)
 
 
-def test_the_key_index_reuses_freed_slots_and_bumps_its_version():
-    index = KeyIndex()
-    slots = index.insert(np.array([10, 20, 30], dtype=np.int64))
-    assert list(slots) == [0, 1, 2]
-    found, version = index.lookup(np.array([20, 99], dtype=np.int64))
-    assert list(found) == [1, -1] and version == 0
-    index.remove(np.array([20], dtype=np.int64))
-    assert index.version == 1 and list(index.insert(np.array([40], dtype=np.int64))) == [1]
+def test_rows_a_batch_in_flight_uses_are_not_evicted_and_freed_slots_are_reused():
+    """Async: a batch's rows stay pinned from its pull to its push, so the pulls of later batches
+    that need room evict other rows; slots given back are reused, never past the capacity."""
+    spec = TableSpec(dim=2)
+    client = PSClient([PSShard(0, 1, {"t": spec})], hosted=True)
+    table = DeviceTable(spec, CPU, 8)
+    first = table.resolve(table.dedupe(np.arange(4, dtype=np.int64)), client, "t", 0)
+    held = table.gather(first).clone()
+    for step in range(1, 6):  # 4 new keys each: the 4 unpinned rows go, never the first batch's
+        later = table.resolve(table.dedupe(np.arange(4, dtype=np.int64) + 10 * step), client, "t", step)
+        table.apply(later, torch.ones(4, 2))
+    torch.testing.assert_close(table.gather(first), held, rtol=0, atol=0)
+    assert table.stats.evicted > 0 and len(table) <= 8 and table._used <= 8 + 1
+    table.apply(first, torch.ones(4, 2))
+    with pytest.raises(RuntimeError, match="holds 8 rows and one batch needs 12"):
+        pinned = table.resolve(table.dedupe(np.arange(4, dtype=np.int64) + 1000), client, "t", 9)
+        table.resolve(table.dedupe(np.arange(8, dtype=np.int64) + 2000), client, "t", 10)
+    table.release(pinned)
 
 
-def test_lookups_from_several_threads_beside_inserts_find_each_key_its_own_slot():
-    """The reader threads look up while the training thread inserts: a lookup finds a key's slot or
-    nothing, never another key's (each lookup runs without the GIL, with a buffer of its own)."""
-    import threading
-
-    index = KeyIndex()
-    keys = np.arange(1, 200_001, dtype=np.int64) * 2654435761
-    wrong: list[int] = []
-
-    def read() -> None:
-        for _ in range(30):
-            slots, _ = index.lookup(keys)
-            held = slots >= 0
-            truth, _ = index.lookup(keys[held])  # inserts never move a held key
-            wrong.append(int((truth != slots[held]).sum()))
-
-    readers = [threading.Thread(target=read) for _ in range(3)]
-    for r in readers:
-        r.start()
-    for part in np.array_split(keys, 50):
-        index.insert(part)
-    for r in readers:
-        r.join()
-    assert sum(wrong) == 0
-    slots, _ = index.lookup(keys)
-    assert sorted(slots.tolist()) == list(range(len(keys)))
+@pytest.mark.parametrize("compact", [True, False], ids=["cpu-rounds", "gpu-rounds"])
+def test_the_key_index_finds_every_key_it_holds_through_inserts_removals_and_growth(compact):
+    """Keys from the whole int64 range and small dense ones, inserted, looked up and removed in
+    batches as a dict would; both ways of probing (gathering out the keys found each round on the
+    CPU, a fixed number of rounds for every key on a GPU) answer the same."""
+    rng = np.random.default_rng(0)
+    index = DeviceIndex(CPU)
+    index._compact = compact
+    truth: dict[int, int] = {}
+    for step in range(60):
+        if step % 2:
+            raw = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+        else:
+            raw = rng.integers(0, 30_000, 3000).astype(np.int64)
+        keys = torch.unique(torch.from_numpy(raw))
+        expected = torch.tensor([truth.get(int(k), -1) for k in keys])
+        assert torch.equal(index.lookup(keys), expected), step
+        new = keys[expected < 0]
+        slots = torch.arange(len(new)) + 10 * step * 3000
+        index.insert(new, slots)
+        truth.update(zip(new.tolist(), slots.tolist(), strict=True))
+        if step % 5 == 4:
+            gone = keys[: len(keys) // 3]
+            index.remove(gone)
+            for k in gone.tolist():
+                truth.pop(k, None)
+        assert len(index) == len(truth)
+    held, slots = index.items()
+    assert dict(zip(held.tolist(), slots.tolist(), strict=True)) == truth
+    assert 2 * len(index) <= index.buckets

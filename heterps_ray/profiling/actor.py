@@ -216,11 +216,11 @@ class LayerProfiler:
         self, batches: list[np.ndarray], dim: int, rounds: int = 3
     ) -> tuple[float, int, float, int, int]:
         """The GPU tier of a table on this actor's device (ps/device_table.py) in front of a hosted shard,
-        as a DataWorker's training thread pays it: (ms, key rows) of batches whose rows it holds (the
-        keys resolved after the reader's lookup, their slots copied over, the gather and the Adagrad
-        update, waited for), over `rounds` passes after a warm one; and (ms, rows) of the rows it took
-        and gave back (fetched from the shard the first time each key is seen, written back by a flush);
-        and the rows the device's free memory holds for such a table (ps/device_table.device_table_rows)."""
+        as a DataWorker pays it: (ms, key rows) of batches whose rows it holds (the keys made distinct on
+        the device, mapped to rows, the gather and the Adagrad update, waited for), over `rounds` passes
+        after a warm one; and (ms, rows) of the rows it took and gave back (fetched from the shard the
+        first time each key is seen, written back by a flush); and the rows the device's free memory
+        holds for such a table (ps/device_table.device_table_rows)."""
         torch = self._torch
         from heterps_ray.ps.client import PSClient
         from heterps_ray.ps.device_table import DeviceTable, device_table_rows
@@ -231,22 +231,22 @@ class LayerProfiler:
         client = PSClient([PSShard(0, 1, {"t": spec})], hosted=True)
         table = DeviceTable(spec, self.device, sum(int(k.size) for k in batches) + 1)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        deduped = [table.dedupe(keys) for keys in batches]
+        sync()
         start = time.perf_counter()
-        for step, keys in enumerate(batches):  # every key new once: fetched from the shard
-            table.resolve(keys, None, client, "t", step)
+        for step, batch in enumerate(deduped):  # every key new once: fetched from the shard
+            table.release(table.resolve(batch, client, "t", step))
         sync()
         taken_ms = (time.perf_counter() - start) * 1000.0
         grads = [torch.full((keys.size, dim), 1e-3, device=self.device) for keys in batches]
-        located = [table.locate(keys) for keys in batches]  # the reader's part, ahead of training
         hit_ms, rows = 0.0, 0
         for rnd in range(rounds + 1):
             sync()
             start = time.perf_counter()
             for step, (keys, grad) in enumerate(zip(batches, grads, strict=True)):
-                slots = table.resolve(keys, (located[step][0].copy(), located[step][1]), client, "t", step)
-                on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
-                table.gather(on_device, step)
-                table.apply(on_device, grad)
+                resolved = table.resolve(table.dedupe(keys), client, "t", step)
+                table.gather(resolved)
+                table.apply(resolved, grad)
             sync()
             if rnd:  # the first pass warms the kernels up
                 hit_ms += (time.perf_counter() - start) * 1000.0

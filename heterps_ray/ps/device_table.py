@@ -16,34 +16,45 @@ One path, two sizes: `capacity` rows at most (the GPU memory budget over the byt
 that fits never evicts (all rows in GPU memory); a bigger one is a cache of the most recently used rows,
 the least recently used going back to the shards to make room.
 
+Keys become rows on the device, in three steps a batch:
+
+* :meth:`DeviceTable.dedupe` (the data reader's part, ahead of training, on a stream of its own on a
+  GPU): the batch's raw keys are copied over once (from pinned memory) and made distinct
+  (``torch.unique``: the distinct keys, where each key sits among them, how often each occurs);
+* :meth:`DeviceTable.resolve` (the training thread, in batch order): the distinct keys are looked up in
+  the device's key index (ps/device_index.py); the host waits for the device once, for the keys it does
+  not hold, and fetches only those from the shards; their rows come in, evicting the least recently
+  used first. The batch's rows are pinned until its push, so no eviction takes a row in flight;
+* :meth:`DeviceTable.gather` and :meth:`DeviceTable.apply`: the rows, and one Adagrad step per distinct
+  row, entirely on the device.
+
 Sync stays exact: one DataWorker trains, so a row the tier holds is the row (the shards' copy is stale
 until the next flush, and nothing reads it meanwhile), and a push is the CPU store's arithmetic
 (ps/_rows.c): the gradients of repeated keys summed in float64, then Adagrad or row-wise Adagrad in
-float32, one rounding per operation. With no data-dependent sizes on the device, a push never waits for
-the GPU.
-
-Keys map to slots on the CPU (:class:`KeyIndex`: the compiled row store used as a plain index, its row
-numbers are the slots). The data reader looks a chunk's keys up ahead, without the GIL
-(:meth:`DeviceTable.locate`); the training thread resolves what was missing, in batch order.
+float32, one rounding per operation. On the CPU the float64 sums run in the keys' order, as the store's
+do (bit for bit, tests/test_device_table.py); a GPU adds them in the order its atomics land, which can
+differ from the store's only where a float64 sum of the batch's float32 gradients rounds differently:
+the H200 run of 2026-12-04 found the GPU tier's rows equal to the CPU rows' bit for bit
+(scripts/gpu_check.py, BENCHMARKS.md "The GPU tier").
 
 Example::
 
     table = DeviceTable(TableSpec(dim=16), torch.device("cuda"), capacity=10_000_000)
-    slots = table.resolve(keys, table.locate(keys), client, step)    # int64[n], -1: not admitted
-    rows = table.gather(slots_on_device)                               # float32[n, 16] on the GPU
-    table.apply(slots_on_device, grads)                                # Adagrad on the GPU
-    table.flush(client, tags)                                          # changed rows back to the shards
+    batch = table.resolve(table.dedupe(keys), client, "embedding", step)
+    rows = table.gather(batch)                         # float32[n, 16] on the GPU
+    table.apply(batch, grads)                          # Adagrad on the GPU
+    table.flush(client, "embedding")                   # changed rows back to the shards
 """
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from heterps_ray.ps._rows import Rows as _Rows
+from heterps_ray.ps.device_index import DeviceIndex
 from heterps_ray.ps.table import ADAGRAD_EPS, device_rows_within
 from heterps_ray.ps.tier_stats import TierStats
 
@@ -52,10 +63,9 @@ if TYPE_CHECKING:
     from heterps_ray.ps.spec import TableSpec
 
 _FIRST_ROWS = 1 << 12  # slots allocated at first; doubled as the table grows, up to the capacity
+DEFAULT_SLOT = 0  # the row of keys without one (not admitted): zeros that never learn
 # share of a GPU's free memory left to the stage's activations, gradients and the allocator's slack
 DEVICE_RESERVE_SHARE = 0.2
-# B/row the index costs on the host: its row (key, a weight, an accumulator) and slots at their sparsest
-INDEX_BYTES_PER_ROW = 16 + (4 + 1) / 0.375
 
 
 def device_table_rows(device: torch.device, spec: TableSpec) -> int:
@@ -70,76 +80,27 @@ def device_table_rows(device: torch.device, spec: TableSpec) -> int:
     return max(1, device_rows_within(budget, spec.dim, spec.optimizer))
 
 
-class KeyIndex:
-    """key -> slot (0, 1, ...), on the compiled row store; freed slots are reused first, so the slots in
-    use stay below the most ever held at once. Lookups may come from another thread than inserts and
-    removals: a readers-writer lock keeps them apart, and a lookup runs without the GIL."""
+@dataclass
+class Deduped:
+    """A batch's keys on the device, made distinct: ``keys.ravel() == unique[inverse]``, and how often
+    each distinct key occurs."""
 
-    def __init__(self) -> None:
-        # dim 1, no counters, no admission: a plain index (ps/_rows.c `rows`)
-        self._rows = _Rows(1, 0, 0.0, 0.0, 0.0, False, False, 1, 0, 0, False)
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writing = False
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @property
-    def version(self) -> int:
-        """Removals so far: a slot found at one version is still that key's while it stays the same."""
-        return int(self._rows.info()["removals"])
-
-    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        """(slot of each key, -1 where absent; the version they are good for)."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        out = np.empty(len(keys), dtype=np.int64)
-        with self._cond:
-            while self._writing:
-                self._cond.wait()
-            self._readers += 1
-            version = self.version
-        try:
-            self._rows.rows(keys, out, False)
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-        return out, version
-
-    def insert(self, keys: np.ndarray) -> np.ndarray:
-        """Slots for distinct keys not held yet."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        out = np.empty(len(keys), dtype=np.int64)
-        with self._writer():
-            self._rows.rows(keys, out, True)
-        return out
-
-    def remove(self, keys: np.ndarray) -> None:
-        empty = np.zeros(0, dtype=np.int64)
-        with self._writer():
-            self._rows.apply(0, empty, None, None, None, np.ascontiguousarray(keys, dtype=np.int64))
-
-    def _writer(self) -> _Writing:
-        return _Writing(self)
+    shape: tuple[int, ...]
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    ready: Any = None  # a GPU: the event of the reader's stream after it (the training thread waits on it)
 
 
-class _Writing:
-    """KeyIndex's writer side of its lock (waits for the lookups in progress)."""
+@dataclass
+class Resolved:
+    """A batch's place in the table: the slot of each distinct key (DEFAULT_SLOT: not admitted) and
+    where each key sits among them. Its rows stay pinned until :meth:`DeviceTable.apply` (or
+    :meth:`DeviceTable.release`)."""
 
-    def __init__(self, index: KeyIndex):
-        self.index = index
-
-    def __enter__(self) -> None:
-        with self.index._cond:
-            while self.index._writing or self.index._readers:
-                self.index._cond.wait()
-            self.index._writing = True
-
-    def __exit__(self, *exc: object) -> None:
-        with self.index._cond:
-            self.index._writing = False
-            self.index._cond.notify_all()
+    shape: tuple[int, ...]
+    slots: torch.Tensor
+    inverse: torch.Tensor
 
 
 class DeviceTable:
@@ -153,170 +114,171 @@ class DeviceTable:
         self.rowwise = spec.optimizer == "rowwise_adagrad"
         self.stats = TierStats()
         self._lr = torch.tensor(spec.lr, dtype=torch.float32, device=device)
+        # a GPU: the reader copies and dedupes on a stream of its own, beside the training thread's
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.clear()
 
     def clear(self) -> None:
         """Hold nothing (at the start, and after the shards were restored: they are the truth again);
         the stats stay."""
-        self.index = KeyIndex()
+        self.index = DeviceIndex(self.device)
         self._tags: list[tuple[int, int, int]] = []  # batches applied since the last flush
-        self.keys = np.zeros(0, dtype=np.int64)  # the key held in each slot (host)
-        self._slots = 0
+        self._slots = 0  # rows allocated, the default row's included
+        self._used = 1  # slots ever handed out (slot 0: the default row)
+        self._free = torch.zeros(0, dtype=torch.int64, device=self.device)  # slots given back, reused first
         self._grow(min(self.capacity, _FIRST_ROWS))
 
     # -- storage ---------------------------------------------------------------------------------
 
-    def _grow(self, slots: int) -> None:
-        """Room for `slots` rows (plus the default row, zeros, at the end), keeping what is held."""
+    def _grow(self, rows: int) -> None:
+        """Room for `rows` rows (and the default row, zeros, in slot 0), keeping what is held."""
         acc_width = 1 if self.rowwise else self.dim
-        old = self._slots
+        old, slots = self._slots, rows + 1
         fresh = {
-            "weights": torch.zeros(slots + 1, self.dim, dtype=torch.float32, device=self.device),
-            "accum": torch.zeros(slots + 1, acc_width, dtype=torch.float32, device=self.device),
-            "dirty": torch.zeros(slots + 1, dtype=torch.bool, device=self.device),
-            "held": torch.zeros(slots + 1, dtype=torch.bool, device=self.device),
-            "last_used": torch.zeros(slots + 1, dtype=torch.int64, device=self.device),
+            "weights": torch.zeros(slots, self.dim, dtype=torch.float32, device=self.device),
+            "accum": torch.zeros(slots, acc_width, dtype=torch.float32, device=self.device),
+            "dirty": torch.zeros(slots, dtype=torch.bool, device=self.device),
+            "held": torch.zeros(slots, dtype=torch.bool, device=self.device),
+            "last_used": torch.zeros(slots, dtype=torch.int64, device=self.device),
+            "key_of": torch.zeros(slots, dtype=torch.int64, device=self.device),
+            "pins": torch.zeros(slots, dtype=torch.int32, device=self.device),  # batches in flight using it
         }
-        keys = np.zeros(slots, dtype=np.int64)
         if old:
             for name, tensor in fresh.items():
-                tensor[:old] = getattr(self, name)[:old]
-            keys[:old] = self.keys[:old]
+                tensor[:old] = getattr(self, name)
         self.weights, self.accum = fresh["weights"], fresh["accum"]
         self.dirty, self.held, self.last_used = fresh["dirty"], fresh["held"], fresh["last_used"]
-        self.keys = keys
-        self._owner = torch.zeros(slots + 1, dtype=torch.int64, device=self.device)
+        self.key_of, self.pins = fresh["key_of"], fresh["pins"]
         self._slots = slots
 
     @property
-    def default_slot(self) -> int:
-        """The row of the keys without one (not admitted): zeros that never learn."""
-        return self._slots
-
-    @property
     def nbytes(self) -> int:
-        """Device bytes held: rows, state and bookkeeping of every slot allocated."""
-        tensors = (self.weights, self.accum, self.dirty, self.held, self.last_used, self._owner)
-        return sum(int(t.numel() * t.element_size()) for t in tensors)
+        """Device bytes held: rows, state and bookkeeping of every slot allocated, and the key index."""
+        tensors = (self.weights, self.accum, self.dirty, self.held, self.last_used, self.key_of, self.pins)
+        return sum(int(t.numel() * t.element_size()) for t in tensors) + self.index.nbytes
 
     def __len__(self) -> int:
         return len(self.index)
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def locate(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        """The slots of `keys` (any shape, flattened; -1 where not held) and the index version they are
-        good for. Thread-safe, no GIL held: the data reader calls it ahead of training."""
-        return self.index.lookup(keys)
+    def dedupe(self, keys: np.ndarray | torch.Tensor) -> Deduped:
+        """A batch's raw keys (any shape) on the device, distinct (:class:`Deduped`). Depends on the keys
+        alone, so the reader runs it ahead of training; on a GPU from pinned memory, on its own stream."""
+        host = torch.as_tensor(
+            np.ascontiguousarray(keys, dtype=np.int64) if isinstance(keys, np.ndarray) else keys
+        )
+        shape = tuple(host.shape)
+        if self._stream is None:
+            unique, inverse, counts = torch.unique(host.ravel(), return_inverse=True, return_counts=True)
+            return Deduped(shape, unique, inverse, counts)
+        with torch.cuda.stream(self._stream):
+            on_device = host.ravel().pin_memory().to(self.device, non_blocking=True)
+            unique, inverse, counts = torch.unique(on_device, return_inverse=True, return_counts=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return Deduped(shape, unique, inverse, counts, ready)
 
-    def resolve(
-        self,
-        keys: np.ndarray,
-        located: tuple[np.ndarray, int] | None,
-        backing: PSClient,
-        table: str,
-        step: int | None,
-    ) -> np.ndarray:
-        """The slot of each key (flattened), -1 for a key without a row (not admitted): what was
-        located ahead where it still holds, then the keys missing looked up again, and those still
-        missing fetched from the shards (rows created, admission counted) and taken in, making room
-        first. In batch order, on the training thread."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        slots, version = located if located is not None else self.index.lookup(keys)
-        if version != self.index.version:  # rows left since the lookup: their slots may be others' now
-            slots, _ = self.index.lookup(keys)
-        missing = np.flatnonzero(slots < 0)
+    def resolve(self, batch: Deduped, backing: PSClient, table: str, step: int | None) -> Resolved:
+        """The slots of a batch's distinct keys: looked up in the key index; the ones it lacks fetched
+        from the shards (rows created, admission counted) and taken in, making room first. Marks them
+        used at `step` (the cache's recency) and pins them until the batch's push. In batch order, on
+        the training thread; the host waits for the device once, for the keys the index lacks."""
+        if batch.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(batch.ready)
+            for tensor in (batch.unique, batch.inverse, batch.counts):
+                tensor.record_stream(torch.cuda.current_stream(self.device))
+        slots = self.index.lookup(batch.unique)
+        found = slots >= 0
+        self.pins.index_add_(0, torch.where(found, slots, DEFAULT_SLOT), found.int())
+        missing = torch.nonzero(~found).ravel()  # the one wait for the device
+        misses = int(batch.counts[missing].sum()) if len(missing) else 0
+        self.stats.misses += misses
+        self.stats.hits += int(np.prod(batch.shape)) - misses
         if len(missing):
-            slots[missing] = self.index.lookup(keys[missing])[0]
-            missing = missing[slots[missing] < 0]
-        self.stats.hits += len(keys) - len(missing)
-        self.stats.misses += len(missing)
-        if len(missing):
-            wanted, inverse = np.unique(keys[missing], return_inverse=True)
-            taken = self._take(wanted, slots[slots >= 0], backing, table, step)
-            slots[missing] = taken[inverse]
-        return slots
+            slots[missing] = self._take(batch.unique[missing], backing, table, step)
+        if step is not None:
+            self.last_used[slots] = step
+        return Resolved(batch.shape, slots, batch.inverse)
 
-    def _take(
-        self, keys: np.ndarray, in_use: np.ndarray, backing: PSClient, table: str, step: int | None
-    ) -> np.ndarray:
-        """Fetch distinct `keys` from the shards and hold the admitted ones; their slots (-1: not
-        admitted). `in_use`: the slots the batch holds already (they stay)."""
-        weights, accum, admitted = backing.fetch_rows(table, keys, step)
-        out = np.full(len(keys), -1, dtype=np.int64)
+    def _take(self, keys: torch.Tensor, backing: PSClient, table: str, step: int | None) -> torch.Tensor:
+        """Fetch distinct `keys` from the shards and hold the admitted ones, pinned; their slots
+        (DEFAULT_SLOT: not admitted)."""
+        host_keys = keys.cpu().numpy()
+        weights, accum, admitted = backing.fetch_rows(table, host_keys, step)
+        out = torch.full((len(keys),), DEFAULT_SLOT, dtype=torch.int64, device=self.device)
         new = np.flatnonzero(admitted)
         if not len(new):
             return out
-        self._make_room(len(new), in_use, backing, table)
-        placed = self.index.insert(keys[new])
-        top = int(placed.max()) + 1
-        if top > self._slots:
-            self._grow(min(self.capacity, max(top, 2 * self._slots)))
-        where = torch.from_numpy(placed).to(self.device)
-        self.weights[where] = torch.from_numpy(weights[new]).to(self.device)
-        self.accum[where] = torch.from_numpy(accum[new]).to(self.device)
-        self.dirty[where] = False
-        self.held[where] = True
-        self.keys[placed] = keys[new]
-        out[new] = placed
+        placed = self._allocate(len(new), backing, table)
+        self.index.insert(keys[torch.from_numpy(new).to(self.device)], placed)
+        self.weights[placed] = torch.from_numpy(weights[new]).to(self.device)
+        self.accum[placed] = torch.from_numpy(accum[new]).to(self.device)
+        self.key_of[placed] = torch.from_numpy(host_keys[new]).to(self.device)
+        self.dirty[placed] = False
+        self.held[placed] = True
+        self.pins[placed] = 1
+        out[torch.from_numpy(new).to(self.device)] = placed
         self.stats.fetched += len(new)
         return out
 
-    def _make_room(self, rows: int, in_use: np.ndarray, backing: PSClient, table: str) -> None:
-        """Before `rows` new rows come in: evict the least recently used (never the batch's own,
-        `in_use`), 1/16 of the capacity beyond what is needed so that evictions stay rare; the ones
-        that changed go back to the shards first."""
+    def _allocate(self, rows: int, backing: PSClient, table: str) -> torch.Tensor:
+        """Slots for `rows` new rows: freed ones first, then new ones (growing the storage), after
+        making room within the capacity."""
+        self._make_room(rows, backing, table)
+        reused = min(rows, len(self._free))
+        slots = self._free[len(self._free) - reused :]
+        self._free = self._free[: len(self._free) - reused]
+        fresh = rows - reused
+        if fresh:
+            if self._used + fresh > self._slots:
+                self._grow(min(self.capacity, max(self._used + fresh - 1, 2 * (self._slots - 1))))
+            slots = torch.cat([slots, torch.arange(self._used, self._used + fresh, device=self.device)])
+            self._used += fresh
+        return slots
+
+    def _make_room(self, rows: int, backing: PSClient, table: str) -> None:
+        """Before `rows` new rows come in: evict the least recently used rows that no batch in flight
+        pins, 1/16 of the capacity beyond what is needed so that evictions stay rare; the ones that
+        changed go back to the shards first."""
         held = len(self.index)
         if held + rows <= self.capacity:
             return
-        keep = len(np.unique(in_use))
-        if keep + rows > self.capacity:
+        score = torch.where(self.held & (self.pins == 0), self.last_used, torch.iinfo(torch.int64).max)
+        free = int((score < torch.iinfo(torch.int64).max).sum())
+        if held - free + rows > self.capacity:
             raise RuntimeError(
-                f"the GPU table holds {self.capacity:,} rows and one batch needs {keep + rows:,}: raise "
+                f"the GPU table holds {self.capacity:,} rows and one batch needs {held - free + rows:,}: raise "
                 "the type's gpu_memory_gb or lower the batch size"
             )
-        over = min(held + rows - self.capacity + self.capacity // 16, held - keep)
-        score = torch.where(
-            self.held[: self._slots], self.last_used[: self._slots], torch.iinfo(torch.int64).max
-        )
-        if len(in_use):
-            score[torch.from_numpy(in_use).to(self.device)] = torch.iinfo(torch.int64).max
+        over = min(held + rows - self.capacity + self.capacity // 16, free)
         victims = torch.topk(score, over, largest=False, sorted=False).indices.sort().values
-        changed = victims[self.dirty[victims]].cpu().numpy()
+        changed = victims[self.dirty[victims]]
         if len(changed):
             self._send(backing, table, changed, tags=[])  # their batches are counted at the next flush
-        self.index.remove(self.keys[victims.cpu().numpy()])
+        self.index.remove(self.key_of[victims])
         self.held[victims] = False
         self.dirty[victims] = False
+        self._free = torch.cat([self._free, victims])
         self.stats.evicted += over
 
-    def gather(self, slots: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        """The rows of `slots` (on this device; -1: the default row), float32[n, dim]. `step` marks
-        them used (the cache's recency)."""
-        safe = torch.where(slots >= 0, slots, self.default_slot)
-        if step is not None:
-            self.last_used[safe] = step
-        return self.weights[safe]
+    def gather(self, batch: Resolved) -> torch.Tensor:
+        """The batch's rows, float32[*shape, dim] on this device."""
+        return self.weights.index_select(0, batch.slots[batch.inverse]).reshape(*batch.shape, self.dim)
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def apply(
-        self, slots: torch.Tensor, grads: torch.Tensor, tag: tuple[int, int, int] | None = None
-    ) -> None:
-        """One optimizer step with `grads` (float32[n, dim], one per slot; -1: dropped), the gradients
-        of repeated slots summed in float64 first. Sizes are fixed: nothing waits for the device.
-        `tag` (DataWorker, batch, generation): the batch, counted by the shards at the next flush."""
-        n = len(slots)
-        valid = slots >= 0
-        safe = torch.where(valid, slots, self.default_slot)
-        g64 = grads.reshape(n, self.dim).to(torch.float64) * valid[:, None]
-        # one position per distinct slot stands for it (whichever the scatter keeps: any will do)
-        self._owner.scatter_(0, safe, torch.arange(n, device=self.device))
-        first = self._owner[safe]
-        summed = torch.zeros(n, self.dim, dtype=torch.float64, device=self.device)
-        summed.index_add_(0, first, g64)
-        g = summed[first].to(torch.float32)
-        w, acc = self.weights[safe], self.accum[safe]
+    def apply(self, batch: Resolved, grads: torch.Tensor, tag: tuple[int, int, int] | None = None) -> None:
+        """One optimizer step with the batch's `grads` (float32[n, dim], one per key), the gradients of
+        repeated keys summed in float64 first, one step per distinct row (a key not admitted: dropped).
+        Releases the batch's rows. `tag` (DataWorker, batch, generation): the batch, counted by the
+        shards at the next flush. Nothing here waits for the device."""
+        slots = batch.slots
+        summed = torch.zeros(len(slots), self.dim, dtype=torch.float64, device=self.device)
+        summed.index_add_(0, batch.inverse, grads.reshape(-1, self.dim).to(torch.float64))
+        learns = slots != DEFAULT_SLOT
+        g = summed.to(torch.float32) * learns[:, None]  # the default row takes a zero step: it stays zeros
+        w, acc = self.weights.index_select(0, slots), self.accum.index_select(0, slots)
         if self.rowwise:
             squares = g.to(torch.float64) * g.to(torch.float64)
             total = squares[:, 0]
@@ -328,27 +290,36 @@ class DeviceTable:
         else:
             acc = acc + g * g
             w = w - (g * self._lr) / (_sqrt(acc) + ADAGRAD_EPS)
-        self.weights.index_put_((safe,), w)
-        self.accum.index_put_((safe,), acc)
-        self.dirty[safe] = True
+        self.weights.index_copy_(0, slots, w)
+        self.accum.index_copy_(0, slots, acc)
+        self.dirty[slots] = True
+        self.release(batch)
         if tag is not None:
             self._tags.append(tag)
+
+    def release(self, batch: Resolved) -> None:
+        """Unpin a batch's rows (its push applied them, or it was dropped)."""
+        learns = batch.slots != DEFAULT_SLOT
+        self.pins.index_add_(0, batch.slots, -learns.int())
 
     def flush(self, backing: PSClient, table: str) -> list[Any]:
         """Every changed row back to the shards, with the batches applied since the last flush (every
         shard counts them). Returns the shards' refs (none when hosted)."""
-        changed = torch.nonzero(self.dirty[: self._slots] & self.held[: self._slots]).ravel().cpu().numpy()
+        changed = torch.nonzero(self.dirty & self.held).ravel()
         refs = self._send(backing, table, changed, self._tags)
         self._tags = []
         self.dirty[:] = False
         return refs
 
     def _send(
-        self, backing: PSClient, table: str, slots: np.ndarray, tags: list[tuple[int, int, int]]
+        self, backing: PSClient, table: str, slots: torch.Tensor, tags: list[tuple[int, int, int]]
     ) -> list[Any]:
-        where = torch.from_numpy(slots).to(self.device)
         refs = backing.put_rows(
-            table, self.keys[slots], self.weights[where].cpu().numpy(), self.accum[where].cpu().numpy(), tags
+            table,
+            self.key_of[slots].cpu().numpy(),
+            self.weights[slots].cpu().numpy(),
+            self.accum[slots].cpu().numpy(),
+            tags,
         )
         self.stats.written_back += len(slots)
         return refs

@@ -143,10 +143,17 @@ def stored_bytes_per_row(dim: int, optimizer: str = "adagrad", tracked: bool = F
     return row_bytes(dim, optimizer, tracked) + _INDEX_BYTES
 
 
+# a bucket of the GPU tier's key index (ps/device_index.py): an int64 key, an int32 slot, an int32 claim;
+# the index keeps its load at most 1/2, so two buckets a row
+DEVICE_INDEX_BUCKET_BYTES = 8 + 4 + 4
+
+
 def device_row_bytes(dim: int, optimizer: str = "adagrad") -> int:
-    """GPU bytes of one row the GPU tier holds (ps/device_table.py): weights, optimizer state, and per
-    slot a dirty and a held flag, the batch it was last used in and the push's owner (int64 each)."""
-    return 4 * dim + 4 * (1 if optimizer == "rowwise_adagrad" else dim) + 1 + 1 + 8 + 8
+    """GPU bytes of one row the GPU tier holds (ps/device_table.py): weights, optimizer state, per slot
+    a dirty and a held flag, the batch it was last used in and its key (int64 each), the batches in
+    flight that pin it (int32), and two buckets of the key index."""
+    state = 4 * (1 if optimizer == "rowwise_adagrad" else dim)
+    return 4 * dim + state + 1 + 1 + 8 + 8 + 4 + 2 * DEVICE_INDEX_BUCKET_BYTES
 
 
 def device_rows_within(budget_bytes: float, dim: int, optimizer: str = "adagrad") -> int:

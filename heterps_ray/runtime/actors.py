@@ -162,6 +162,7 @@ class ActorSet:
             readers=self.job.runtime.readers or readers_of(self.job.cluster.type(stage0.type)),
             table=self.table,
             gpu_rows=self.place.gpu_rows,
+            op_profile_batches=self.job.runtime.op_profile_batches,
         )
         options = self.job.cluster.type(stage0.type).actor_options()
         return warm.spawn(
@@ -312,10 +313,15 @@ class ActorSet:
     def data_wait(self) -> dict[str, Any]:
         """Seconds each DataWorker spent blocked: on gradients coming back (pipeline bubbles, "gradients")
         and on its reader thread (the input, "reader"); and where its training thread's time went, by
-        phase ("phases": read, pull, compute, push, step, wait; worker_base.PhaseClock)."""
+        phase ("phases": read, pull, compute, push, step, wait; worker_base.PhaseClock); the host CPU of
+        each of its threads per batch, in ms ("threads"), and the ops of a batch where they were counted
+        ("ops"; runtime/batch_profile.py)."""
         stats = ray.get([w.stats.remote() for w in self.data_workers])
         return {"gradients": [s["wait_s"] for s in stats], "reader": [s["read_wait_s"] for s in stats],
-                "phases": [{k: round(v, 3) for k, v in s["phase_s"].items()} for s in stats]}  # fmt: skip
+                "phases": [{k: round(v, 3) for k, v in s["phase_s"].items()} for s in stats],
+                "threads": [{k: round(1000 * v / max(s["batches"], 1), 3) for k, v in s["thread_cpu_s"].items()}
+                            for s in stats],
+                "ops": [s["ops_per_batch"] for s in stats]}  # fmt: skip
 
     def flush_tables(self) -> None:
         """Rows changed in the DataWorkers' GPU memory back on the PS shards (before a snapshot of the

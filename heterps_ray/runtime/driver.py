@@ -229,6 +229,8 @@ def train(
                 "floor_check": history["floor_check"],  # with train(floor=...): the steady rate checked
                 "data_wait_s": {k: data_wait[k] for k in ("gradients", "reader")},
                 "data_phases_s": data_wait["phases"],  # each DataWorker's training thread, by phase
+                "data_threads_cpu_ms_per_batch": data_wait["threads"],  # each DataWorker's threads
+                "data_ops_per_batch": data_wait["ops"],  # where counted (runtime.op_profile_batches)
                 "faults": [asdict(f) for f in recovery.faults],
                 "restarts": recovery.restarts,
                 "max_restarts": job.runtime.max_restarts,

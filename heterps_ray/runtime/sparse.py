@@ -10,7 +10,8 @@ The links (rows and gradients cross them as tensors on the worker's device):
 * :class:`DeviceRows` — the rows live in this worker's GPU memory (ps/device_table.py), in front of the
   shards: a pull is a gather on the device and a push is Adagrad there; only rows the GPU does not hold
   are fetched from the shards, and changed rows go back to them before checkpoints, evaluation and the
-  end (:meth:`DeviceRows.flush`). What reaches the device per batch is the slots of its keys, never rows.
+  end (:meth:`DeviceRows.flush`). What reaches the device per batch is its raw keys, once: they are made
+  distinct and mapped to rows there (the reader dedupes them ahead).
 
 The schedules:
 
@@ -34,7 +35,7 @@ import ray
 import torch
 
 from heterps_ray.ps.client import KeySplit, PSClient
-from heterps_ray.ps.device_table import DeviceTable, device_table_rows
+from heterps_ray.ps.device_table import Deduped, DeviceTable, Resolved, device_table_rows
 from heterps_ray.ps.spec import TableSpec
 from heterps_ray.runtime import trace
 
@@ -45,21 +46,12 @@ _PUSHES_IN_FLIGHT_PER_SHARD = 4  # async: sparse pushes left unanswered per shar
 @dataclass
 class Pulled:
     """Rows a link handed out, float32[*keys.shape, dim] on the worker's device, and what the push of
-    their gradient needs: the keys and their split (on the shards), or their slots (in GPU memory)."""
+    their gradient needs: the keys and their split (on the shards), or their place in GPU memory."""
 
     rows: torch.Tensor
     keys: np.ndarray
     split: KeySplit | None = None
-    slots: torch.Tensor | None = None
-
-
-@dataclass
-class Located:
-    """A batch's keys looked up in the GPU table ahead of training (by the reader): their slots (a
-    pinned host tensor where the device is a GPU, -1: not held then) and the index version."""
-
-    slots: torch.Tensor
-    version: int
+    resolved: Resolved | None = None
 
 
 class SparseLink(Protocol):
@@ -69,7 +61,8 @@ class SparseLink(Protocol):
     updates: int  # sparse updates made (one per batch in sync, per micro-batch in async)
 
     def prepare(self, keys: np.ndarray) -> Any:
-        """What the reader thread works out ahead for a batch's `keys` (its split, or its slots)."""
+        """What the reader thread works out ahead for a batch's `keys` (its split, or its distinct keys
+        on the device)."""
 
     def pull(self, keys: np.ndarray, prepared: Any, batch: int) -> Pulled: ...
 
@@ -186,34 +179,26 @@ class SparseRows(_Tagged):
 
 class DeviceRows(_Tagged):
     """The rows in this worker's GPU memory (:class:`~heterps_ray.ps.device_table.DeviceTable`), the
-    shards behind them: a pull resolves the keys' slots (fetching what the GPU lacks) and gathers, a
-    push updates on the device and counts the batch for the next flush."""
+    shards behind them: the reader dedupes a batch's keys on the device ahead, a pull maps them to rows
+    (fetching what the GPU lacks) and gathers, a push updates on the device and counts the batch for
+    the next flush."""
 
     def __init__(self, ps: PSClient, worker: int, workers: int, generation: int, table: DeviceTable):
         super().__init__(ps, worker, workers, generation)
         self.table = table
         self.device = table.device
-        self._pin = table.device.type == "cuda"
 
-    def prepare(self, keys: np.ndarray) -> Located:
-        slots, version = self.table.locate(keys)
-        tensor = torch.from_numpy(slots)
-        return Located(tensor.pin_memory() if self._pin else tensor, version)
+    def prepare(self, keys: np.ndarray) -> Deduped:
+        return self.table.dedupe(keys)
 
-    def pull(self, keys: np.ndarray, prepared: Located | None, batch: int) -> Pulled:
-        step = self.clock(batch)
-        located = None if prepared is None else (prepared.slots.numpy(), prepared.version)
-        slots = self.table.resolve(keys, located, self.ps, SPARSE_TABLE, step)
-        host = torch.from_numpy(slots)
-        if prepared is not None and slots.ctypes.data == prepared.slots.data_ptr():
-            host = prepared.slots  # resolved in place: still the pinned buffer
-        on_device = host.to(self.device, non_blocking=True)
-        rows = self.table.gather(on_device, step).reshape(*np.shape(keys), self.table.dim)
-        return Pulled(rows, keys, slots=on_device)
+    def pull(self, keys: np.ndarray, prepared: Deduped | None, batch: int) -> Pulled:
+        deduped = prepared if prepared is not None else self.table.dedupe(keys)
+        resolved = self.table.resolve(deduped, self.ps, SPARSE_TABLE, self.clock(batch))
+        return Pulled(self.table.gather(resolved), keys, resolved=resolved)
 
     def push(self, pulled: Pulled, grads: torch.Tensor, batch: int) -> None:
-        assert pulled.slots is not None
-        self.table.apply(pulled.slots, grads.detach(), (self.worker, batch, self.generation))
+        assert pulled.resolved is not None
+        self.table.apply(pulled.resolved, grads.detach(), (self.worker, batch, self.generation))
         self.updates += 1
 
     def lookup(self, keys: np.ndarray) -> torch.Tensor:

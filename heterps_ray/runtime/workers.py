@@ -29,6 +29,7 @@ from heterps_ray.models import ModelSpec, loss_fn
 from heterps_ray.ps.client import PSClient
 from heterps_ray.ps.shard import PSShard
 from heterps_ray.ps.spec import TableSpec
+from heterps_ray.runtime.batch_profile import OpCounter, ThreadCPU
 from heterps_ray.runtime.pipeline import StageSpec, route, to_wire
 from heterps_ray.runtime.reader import Prefetcher
 from heterps_ray.runtime.sparse import SPARSE_TABLE, sparse_link
@@ -74,6 +75,7 @@ class DataSettings:
     table: TableSpec | None = None  # the sparse table (its rows' home: the PS shards)
     # rows the GPU tier holds in this worker's device memory (ps/device_table.py); 0: rows on the shards
     gpu_rows: int = 0
+    op_profile_batches: int = 0  # batches whose ops torch.profiler counts (runtime/batch_profile.py)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class _MicroBatch:
     grad_scale: float  # d(optimised loss)/d(micro-batch mean loss)
     loss_weight: float  # weight of its mean loss in the batch's reported loss
     step: bool  # local weights step after this micro-batch (a sync batch's last; every one in async)
-    prepared: Any = None  # what the reader worked out for its keys (their split or slots): a whole batch's
+    prepared: Any = None  # what the reader worked out for its keys (their split, or distinct keys): a batch's
     route: list[int] = field(default_factory=list)
     emb: torch.Tensor | None = None
     stash: Stash | None = None
@@ -143,6 +145,9 @@ class DataWorker(StageActor):
         self.hosted: list[PSShard] = []
         self._busy = Busy()
         self._clock = PhaseClock()
+        self._threads = ThreadCPU()  # every thread's CPU while training, by role
+        self._ops = OpCounter(data.op_profile_batches)
+        self._trained = 0  # batches trained by this process (what the CPU above is spent on)
         self.sparse = sparse_link(
             self._ps_client(shards), index, data.workers, generation, self.device, data.table, data.gpu_rows
         )
@@ -191,17 +196,22 @@ class DataWorker(StageActor):
         t0 = time.perf_counter()
         first_batch = self._batch_index
         exhausted = False
-        for _ in range(steps):
-            with self._clock("read"):  # blocked on the reader thread
-                item = next(self._batches, None)
-            if item is None:
-                exhausted = True
-                break
-            self._train_batch(*item)
-        self.drain()
-        self.sparse.settle()
-        if self.compute.dense is not None:
-            self.compute.dense.flush()
+        self._threads.name("training")
+        with self._threads.running():
+            for _ in range(steps):
+                self._ops.before_batch()
+                with self._clock("read"):  # blocked on the reader thread
+                    item = next(self._batches, None)
+                if item is None:
+                    exhausted = True
+                    break
+                self._train_batch(*item)
+                self._ops.after_batch()
+            self.drain()
+            self.sparse.settle()
+            if self.compute.dense is not None:
+                self.compute.dense.flush()
+        self._trained += self._batch_index - first_batch
         losses = np.zeros(self._batch_index - first_batch)
         for b, loss in self._done:  # a loss computed here is a tensor: read once, not per batch
             losses[b - first_batch] += float(loss)
@@ -268,6 +278,7 @@ class DataWorker(StageActor):
                                                 workers=self.data.readers, skip=within if epoch == first else 0)  # fmt: skip
 
         def prepare(batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            self._threads.name("reader")  # the reader thread (or the training thread, reading inline)
             if self.device.type == "cuda":  # pinned: copied to the GPU while the CPU goes on
                 batch = {**batch, **{k: torch.from_numpy(batch[k]).pin_memory() for k in ("dense", "label")}}
             return batch, self.sparse.prepare(batch["keys"])
@@ -431,6 +442,9 @@ class DataWorker(StageActor):
             "wait_s": self._clock.seconds.get("wait", 0.0),
             "read_wait_s": self._clock.seconds.get("read", 0.0),
             "phase_s": dict(self._clock.seconds),
+            "thread_cpu_s": dict(self._threads.seconds),
+            "batches": self._trained,
+            "ops_per_batch": self._ops.per_batch,
             "samples": self._samples,
             "peak_pending": self._peak_in_flight,
         }
