@@ -18,7 +18,7 @@ from heterps_ray.errors import HeterPSError
 _COMMAND_MODULES = (
     "heterps_ray.closedloop.commands",
     "heterps_ray.data.commands",
-    "heterps_ray.profiling.commands",
+    "heterps_ray.closedloop.profile_command",
     "heterps_ray.costmodel.commands",
     "heterps_ray.runtime.commands",
     "heterps_ray.serving.commands",

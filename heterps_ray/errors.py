@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Exit codes of the `heterps` CLI (documented in README.md).
+# Exit codes of the `heterps` CLI (documented in docs/troubleshooting.md).
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 

@@ -6,7 +6,7 @@ the instance owns (``teardown``), drops every attribute and runs ``__init__`` ag
 arguments, so nothing of the last run (table rows, optimizer state, armed faults, counters) survives.
 An actor can also be *blank* (:func:`blank_class`, or ``reconfigure()`` with no arguments): a process
 with its class's imports done and nothing configured, which the profiler times layers in
-(heterps_ray.profiling.actor.ProfilingHost) before the runs that follow reconfigure it. Each actor
+(heterps_ray.profiling_host.ProfilingHost) before the runs that follow reconfigure it. Each actor
 class describes where it runs with :func:`actor_placement`.
 """
 

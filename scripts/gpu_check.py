@@ -212,7 +212,7 @@ def _in_process(
     from heterps_ray.data.dataset import Dataset
     from heterps_ray.devices import claim_device, set_precision
     from heterps_ray.models import build_model
-    from heterps_ray.profiling.actor import LayerProfiler
+    from heterps_ray.profiling_host import LayerProfiler
     from heterps_ray.runtime.reference import ReferenceTrainer
 
     gpu = job.cluster.type(GPU)
@@ -423,7 +423,7 @@ def _call_split(job: Any, check: Check, calls: int = 30) -> dict[str, Any]:
     copies and the compute, and the peak GPU memory (a call's activations travel besides, not here)."""
     import ray
 
-    from heterps_ray.profiling.actor import LayerProfiler
+    from heterps_ray.profiling_host import LayerProfiler
 
     gpu = job.cluster.type(GPU)
     actor: Any = (

@@ -224,7 +224,7 @@ def test_profile_with_more_gpu_instances_than_gpus_neither_hangs_nor_crashes(
 def test_a_batch_size_that_runs_out_of_gpu_memory_is_skipped_not_fatal():
     """The profiling actor's own logic, in-process: the item that ran out of memory comes back None (the
     profiler records it as an "oom" row and a note), the others are timed."""
-    from heterps_ray.profiling.actor import LayerProfiler
+    from heterps_ray.profiling_host import LayerProfiler
 
     class SmallGpu(LayerProfiler):  # a GPU whose memory holds batches of 32 at most
         def _step(self, index: int, batch_size: int) -> tuple[float, float, float, float | None]:

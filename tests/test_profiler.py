@@ -197,7 +197,7 @@ def test_a_probe_sees_other_work_on_the_machine_but_not_the_clusters_own(ray_loc
     import subprocess
     import sys
 
-    from heterps_ray.profiling.host_cpu import OtherWork
+    from heterps_ray.host_cpu import OtherWork
 
     @ray_local.remote(num_cpus=0)
     def spin(seconds: float) -> None:

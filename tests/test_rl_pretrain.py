@@ -20,7 +20,8 @@ from heterps_ray.scheduling.rl.pretrain import (
     training_pool,
     validation_problems,
 )
-from heterps_ray.scheduling.rl.scheduler import policy_rollouts, problem_fingerprint
+from heterps_ray.scheduling.rl.rollouts import policy_rollouts
+from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
 SMALL = {"layers": (3, 6), "types": (2, 3)}
 

@@ -21,7 +21,7 @@ from heterps_ray.scheduling.rl.level_plans import level_plans, scouted_plans
 from heterps_ray.scheduling.rl.network import PolicyNetwork, upgrade_state
 from heterps_ray.scheduling.rl.policy import load_policy, save_policy
 from heterps_ray.scheduling.rl.polish import split_neighbours
-from heterps_ray.scheduling.rl.scheduler import policy_rollouts
+from heterps_ray.scheduling.rl.rollouts import policy_rollouts
 
 
 def _network(seed: int = 0) -> PolicyNetwork:

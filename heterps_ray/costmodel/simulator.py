@@ -30,7 +30,8 @@ from typing import Any, Literal
 import numpy as np
 
 from heterps_ray.costmodel.problem import Layer, Problem, Resource
-from heterps_ray.costmodel.sim_pipeline import PSModel, SimResult, StageModel, simulate_pipeline
+from heterps_ray.costmodel.sim_models import PSModel, SimResult, StageModel
+from heterps_ray.costmodel.sim_pipeline import simulate_pipeline
 from heterps_ray.errors import ConfigError
 
 __all__ = ["PSModel", "SimResult", "StageModel", "pipeline_model", "simulate", "simulate_pipeline"]

@@ -23,7 +23,7 @@ import ray
 from heterps_ray.config import ResourceType
 from heterps_ray.devices import unwrap
 from heterps_ray.errors import ConfigError, HeterPSError, WaitTimeout
-from heterps_ray.profiling.actor import ProfilingHost
+from heterps_ray.profiling_host import ProfilingHost
 
 
 class Hosts(Protocol):

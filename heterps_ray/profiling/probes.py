@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from heterps_ray.config import JobConfig
 from heterps_ray.data.layout import is_dataset
+from heterps_ray.host_cpu import OtherWork
 from heterps_ray.models import ModelSpec
-from heterps_ray.profiling.host_cpu import OtherWork
 from heterps_ray.profiling.rows import Row
 
 if TYPE_CHECKING:

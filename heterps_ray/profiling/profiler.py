@@ -1,6 +1,6 @@
 """Live profiling: measure a model's layers, the PS and the links on every resource type of a Ray cluster.
 
-One pair of actors (each a :class:`~heterps_ray.profiling.actor.LayerProfiler` in a process that
+One pair of actors (each a :class:`~heterps_ray.profiling_host.LayerProfiler` in a process that
 placement.py's hosts give: the runtime's warm actors in ``heterps profile``) per resource type present
 in the cluster (pinned by the type's Ray resources, torch threads set, ``cuda`` where the type is a
 GPU type: a DeviceError where its actor finds no GPU; one actor where the cluster's GPUs do not hold

@@ -13,9 +13,13 @@ ms, against the probes of its ~30k distinct keys ~1 ms (BENCHMARKS.md "The devic
 
 The map, as FBGEMM's and HierarchicalKV's: linear probing from a multiplicative (Fibonacci) hash, load
 at most 1/2, a removed key leaves a tombstone that lookups step over, and the map is rebuilt (grown if
-it must) when keys and tombstones pass the load. Keys are inserted in vectorised rounds: in each, the
-keys still looking for a bucket try the next one; among those that reach the same empty bucket the
-lowest position wins (``scatter_reduce`` amin: deterministic on every device), the others go on.
+it must) when keys and tombstones pass the load. Each round of probing reads a window of WINDOW
+consecutive buckets per key (a cache line of keys; HierarchicalKV scans a bucket of slots the same
+way): a key is found at the first match before the first empty bucket, so linear probing's longest
+runs (~20 buckets at load 1/2) take 2-3 rounds, not 20, and a batch dispatches a few dozen ops, not
+hundreds. Keys are inserted in vectorised rounds: each takes the first empty bucket of its window;
+among those that pick the same bucket the lowest position wins (``scatter_reduce`` amin:
+deterministic on every device), the others look again from there.
 
 Example::
 
@@ -36,6 +40,7 @@ TOMBSTONE = -2  # held a key that was removed (a lookup steps over it)
 _FIBONACCI = -7046029254386353131  # 2^64 / golden ratio as a signed int64 (0x9E3779B97F4A7C15)
 _MIN_BITS = 10  # 1,024 buckets at least
 _NO_CLAIM = torch.iinfo(torch.int32).max
+WINDOW = 8  # buckets a probe reads per round (8 int64 keys: a cache line)
 
 
 class DeviceIndex:
@@ -45,7 +50,8 @@ class DeviceIndex:
         self.device = device
         self._live = 0  # keys held (host counters: every insert and removal says how many)
         self._tombstones = 0
-        self._rounds = 1  # the most probes any key held needs to be found: a lookup's fixed rounds
+        self._rounds = 1  # the most windows any key held needs to be found: a lookup's fixed rounds
+        self._offsets = torch.arange(WINDOW, device=device)
         # the CPU gathers out the keys still probing each round; a GPU runs every key the fixed rounds
         self._compact = device.type != "cuda"
         self._allocate(_bits_for(expected))
@@ -83,37 +89,63 @@ class DeviceIndex:
         slots, _ = self._find(keys)
         return slots.long()
 
+    def _window(self, bucket: torch.Tensor) -> torch.Tensor:
+        """The buckets of each start's window: int64[m, WINDOW]."""
+        return (bucket[:, None] + self._offsets) & (self.buckets - 1)
+
     def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot of each key or -1, its bucket or -1). On the CPU the keys still probing are gathered
-        out each round (most are found in one or two; measured 2.7x faster than masking the same
-        rounds); on a GPU every key takes the index's fixed number of rounds, so that nothing waits
-        for the device."""
-        mask = self.buckets - 1
+        out each round (most are settled in the first); on a GPU every key takes the index's fixed
+        number of rounds, so that nothing waits for the device."""
         slots = torch.full_like(keys, EMPTY, dtype=torch.int32)
         where = torch.full_like(keys, EMPTY)
         bucket = self._home(keys)
         if self._compact:
-            active, probing = torch.arange(len(keys), device=self.device), keys
-            for _ in range(self._rounds):
-                value = self._values.index_select(0, bucket)
-                hit = (self._keys.index_select(0, bucket) == probing) & (value >= 0)
-                found = torch.nonzero(hit).ravel()
-                at = active.index_select(0, found)
-                slots.index_copy_(0, at, value.index_select(0, found))
-                where.index_copy_(0, at, bucket.index_select(0, found))
-                going_on = torch.nonzero((value != EMPTY) & ~hit).ravel()
-                if not len(going_on):
-                    break
-                active, probing = active.index_select(0, going_on), probing.index_select(0, going_on)
-                bucket = (bucket.index_select(0, going_on) + 1) & mask
-            return slots, where
-        for _ in range(self._rounds):
+            # first the home bucket alone, where most keys are settled (found, or absent at an empty one)
             value = self._values.index_select(0, bucket)
-            hit = (self._keys.index_select(0, bucket) == keys) & (value >= 0) & (slots < 0)
+            hit = (self._keys.index_select(0, bucket) == keys) & (value >= 0)
+            found = torch.nonzero(hit).ravel()
+            slots.index_copy_(0, found, value.index_select(0, found))
+            where.index_copy_(0, found, bucket.index_select(0, found))
+            active = torch.nonzero(~hit & (value != EMPTY)).ravel()
+            probing, bucket = keys.index_select(0, active), bucket.index_select(0, active)
+            for _ in range(self._rounds):
+                if not len(active):
+                    break
+                hit, value, at, open_end = self._probe(probing, bucket)
+                found = torch.nonzero(hit).ravel()
+                into = active.index_select(0, found)
+                slots.index_copy_(0, into, value.index_select(0, found))
+                where.index_copy_(0, into, at.index_select(0, found))
+                going_on = torch.nonzero(~hit & ~open_end).ravel()
+                active, probing = active.index_select(0, going_on), probing.index_select(0, going_on)
+                bucket = bucket.index_select(0, going_on) + WINDOW
+            return slots, where
+        settled = torch.zeros(len(keys), dtype=torch.bool, device=self.device)
+        for _ in range(self._rounds):
+            hit, value, at, open_end = self._probe(keys, bucket)
+            hit &= ~settled
             slots = torch.where(hit, value, slots)
-            where = torch.where(hit, bucket, where)
-            bucket = (bucket + 1) & mask
+            where = torch.where(hit, at, where)
+            settled |= hit | open_end
+            bucket = bucket + WINDOW
         return slots, where
+
+    def _probe(
+        self, keys: torch.Tensor, bucket: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round: each key's window from `bucket`. (found before an empty bucket, its value, its
+        bucket, an empty bucket in the window: the key is absent unless found)."""
+        window = self._window(bucket)
+        flat = window.ravel()
+        values = self._values.index_select(0, flat).view(window.shape)
+        match = (self._keys.index_select(0, flat).view(window.shape) == keys[:, None]) & (values >= 0)
+        empty = values == EMPTY
+        first_match = torch.where(match.any(1), match.int().argmax(1), WINDOW)
+        first_empty = torch.where(empty.any(1), empty.int().argmax(1), WINDOW)
+        hit = first_match < first_empty
+        pick = first_match.clamp(max=WINDOW - 1)[:, None]
+        return hit, values.gather(1, pick).ravel(), window.gather(1, pick).ravel(), first_empty < WINDOW
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -149,25 +181,39 @@ class DeviceIndex:
 
     def _place(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Linear probing in rounds (see the module's docstring); keys distinct and absent."""
-        mask = self.buckets - 1
         position = torch.arange(len(keys), device=self.device)  # the keys still looking for a bucket
-        bucket = self._home(keys)
-        rounds = 0
+        start = self._home(keys)  # where each one's probe is: its home, or the bucket it lost last round
+        reach = torch.zeros(len(keys), dtype=torch.int64, device=self.device)  # buckets past its home
+        longest = 0
         while len(position):
-            rounds += 1
-            free = torch.nonzero(self._values.index_select(0, bucket) == EMPTY).ravel()
-            trying, at = position.index_select(0, free), bucket.index_select(0, free)
-            self._claims.scatter_reduce_(0, at, trying.int(), "amin")
-            won = torch.nonzero(self._claims.index_select(0, at) == trying).ravel()
+            window = self._window(start)
+            empty = self._values.index_select(0, window.ravel()).view(window.shape) == EMPTY
+            has = empty.any(1)
+            first = empty.int().argmax(1)
+            full = torch.nonzero(~has).ravel()  # no empty bucket in the window: the next one
+            start[full] += WINDOW
+            reach[full] += WINDOW
+            trying = torch.nonzero(has).ravel()
+            at = (start.index_select(0, trying) + first.index_select(0, trying)) & (self.buckets - 1)
+            candidates = position.index_select(0, trying)
+            self._claims.scatter_reduce_(0, at, candidates.int(), "amin")
+            won = self._claims.index_select(0, at) == candidates
             self._claims.index_fill_(0, at, _NO_CLAIM)
-            winners, into = trying.index_select(0, won), at.index_select(0, won)
+            winners, into = candidates[won], at[won]
             self._keys.index_copy_(0, into, keys.index_select(0, winners))
             self._values.index_copy_(0, into, slots.index_select(0, winners).int())
+            reached = reach[trying[won]] + first[trying[won]]
+            if len(reached):
+                longest = max(longest, int(reached.max()))
+            lost = trying[~won]  # look again from the bucket taken
+            start[lost] = at[~won]
+            reach[lost] += first[lost]
             placed = torch.zeros(len(position), dtype=torch.bool, device=self.device)
-            placed[free.index_select(0, won)] = True
+            placed[trying[won]] = True
             left = torch.nonzero(~placed).ravel()
-            position, bucket = position.index_select(0, left), (bucket.index_select(0, left) + 1) & mask
-        self._rounds = max(self._rounds, rounds)
+            position, start, reach = position[left], start[left], reach[left]
+        # a key `longest` buckets past its home is found in this many windows
+        self._rounds = max(self._rounds, longest // WINDOW + 1)
 
 
 def _bits_for(keys: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from heterps_ray.chaos import FaultPoints
 from heterps_ray.config import OptimizerConfig
 from heterps_ray.models import ModelSpec
-from heterps_ray.profiling.actor import ProfilingHost
+from heterps_ray.profiling_host import ProfilingHost
 from heterps_ray.reusable import Reusable, actor_placement
 from heterps_ray.runtime.modes import Mode
 from heterps_ray.runtime.pipeline import StageSpec

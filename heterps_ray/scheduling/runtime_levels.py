@@ -20,7 +20,8 @@ constraints: an ILP that HiGHS proves optimal (its dual bound is what the walk u
 differently): a level is the cheaper of the hosted program (every count 1) and the program on
 actor shards with at least one count of 2 (a replica added where the minimal counts are all 1).
 
-The walk over the levels is levels.py's, the same as the base model's; this module prices a level.
+The walk over the levels is levels.py's, the same as the base model's; this module prices a level
+on the per-segment tables of runtime_segments.py.
 The bounds it gives the walk, each a lower bound for the reason given:
 
 * the DP bound ``lb(X) <= R*(X)`` (`lower_bound`): every segment weight is at most what a plan using
@@ -57,98 +58,28 @@ from dataclasses import replace
 import numpy as np
 
 from heterps_ray.costmodel import CostModel
-from heterps_ray.costmodel.formulas import (
-    BYTES_PER_MS_PER_GBPS,
-    MS_PER_S,
-    S_PER_HOUR,
-    fewest_replicas,
-    stage_throughput,
-)
-from heterps_ray.costmodel.runtime_terms import call_ms, table_rate
-from heterps_ray.scheduling.levels import Level, LevelPricing
+from heterps_ray.costmodel.formulas import S_PER_HOUR, stage_throughput
+from heterps_ray.scheduling.levels import Level
 from heterps_ray.scheduling.path_bounds import best_mixes, mixed_weights, relax_limits, with_limits
 from heterps_ray.scheduling.provisioning import REACH_RTOL, STEP_RTOL, provision_counts
 from heterps_ray.scheduling.runtime_ilp import ROW_SLACK, solve_case
+from heterps_ray.scheduling.runtime_segments import UNREACHABLE, RuntimeSegments
 from heterps_ray.scheduling.segment_paths import assignment_of, cheapest_path, through
 
-_HUGE = 1e12  # replicas standing in for "no count reaches the level"
 SCOUT_POINTS = 20  # levels `scout` prices between the floor and the throughput bound
 SCOUT_REFINE = 8  # more levels between the neighbours of the most promising of them
 SCOUT_STOP = 1.25  # `scout` stops rising where the level's bound per sample/s is this far above a plan met
 
 
-class RuntimeLevels(LevelPricing):
-    """Per-segment runtime tables of one problem and its pricing of a level (module docstring)."""
+class RuntimeLevels(RuntimeSegments):
+    """The pricing of a level of one problem (module docstring), on its per-segment runtime tables
+    (RuntimeSegments, runtime_segments.py)."""
 
     method = "levels+ilp"
     kind = "level walk, levels solved by ILP (HiGHS)"
 
     def __init__(self, model: CostModel, time_limit_s: float | None = None):
-        problem, terms = model.problem, model.problem.runtime
-        if terms is None:
-            raise ValueError("RuntimeLevels needs a problem with a `runtime` section")
         super().__init__(model, time_limit_s)
-        self.terms = terms
-        L, T = model.num_layers, model.num_types
-        self.L, self.T = L, T
-        B, K = model.batch_size, terms.micro_batches
-        self.B, self.K = B, K
-        self.sync = terms.mode == "sync"
-        self.auto = terms.ps_hosting == "auto"
-        b = B / K
-        types = problem.resources
-        runnable = model.runnable
-        per_layer = np.where(runnable, model.fixed_ms + model.per_sample_ms * b, 0.0)  # [L, T]
-        zero = np.zeros((1, T))
-        pre = np.concatenate([zero, np.cumsum(per_layer, axis=0)])
-        pre_bad = np.concatenate([np.zeros((1, T), int), np.cumsum(~runnable, axis=0)])
-        i = np.arange(L)[:, None, None]
-        j = np.arange(L)[None, :, None]
-        compute = pre[j[..., 0] + 1] - pre[i[..., 0]]  # [L, L, T]
-        bad = ((pre_bad[j[..., 0] + 1] - pre_bad[i[..., 0]]) > 0) | (j < i)
-        bw = np.array([r.bandwidth_gbps for r in types]) * BYTES_PER_MS_PER_GBPS  # bytes/ms
-        rt = np.array([call_ms(problem, terms, r.name) for r in types])
-        own = np.minimum(np.array([r.call_overhead_ms for r in types]), rt)
-        out = np.array([layer.out_bytes_per_sample for layer in problem.layers]) * b
-        calls = np.where(i == 0, 0, np.where(j == L - 1, 1, 2)) * np.ones((1, 1, T))
-        recv = np.where(i > 0, 2.0 * out[np.maximum(i - 1, 0)] / bw, 0.0)
-        send = np.where(j < L - 1, 2.0 * out[j] / bw, 0.0)
-        other = calls * own + recv + send
-        io = np.array([r.io_gbps for r in types]) * BYTES_PER_MS_PER_GBPS
-        first = np.where(i == 0, problem.input_bytes_per_sample * b / io, 0.0)
-        rows = model.rows_per_sample * b
-        self.calls = calls
-        self.compute = np.where(bad, np.inf, compute)
-        self.waiting = calls * (rt - own)
-        self.valid = ~bad
-        _, self.alpha = model.segment_tables()
-        self.busy = {}  # hosted (bool) -> busy ms per micro-batch [L, L, T]
-        for hosted in (False, True):  # a row's cost to stage 0 where the rows live (per type: its GPU's memory)
-            rate = np.array([table_rate(problem, terms, r.name, hosted).ms_per_row for r in types])
-            ps_wait = np.where(i == 0, rows * rate[None, None, :], 0.0)
-            self.busy[hosted] = np.where(bad, np.inf, compute + other + first + ps_wait)
-        self.cap = model.max_instances.astype(np.int64)
-        self.price = model.price
-        self.ps_type = model.ps_type
-        # hosts: per host, the per-segment CPU ms per micro-batch, its free cores, the shards' service
-        self.hosts = []
-        for host in problem.hosts or ():
-            on = np.array([r.name in host.types for r in types])
-            threads = np.array([min(r.threads or 1, host.cores) for r in types])
-            call_cpu = host.call_cpu_ms if host.call_cpu_ms is not None else 0.0
-            per = {}
-            for hosted in (False, True):
-                work = compute * threads + (self.busy[hosted] - compute) + self.waiting + calls * call_cpu
-                per[hosted] = np.where(on[None, None, :] & ~bad, work, 0.0)
-            service = 0.0
-            if (
-                types[model.ps_type].name in host.types
-                and math.isfinite(model.ps_rows_per_second)
-                and model.rows_per_sample > 0
-            ):
-                service = model.rows_per_sample * B / K / model.ps_rows_per_second * MS_PER_S
-            self.hosts.append((per, host.cores - host.background_cores, service))
-        self.shards = np.arange(model.ps_min_shards, int(self.cap[model.ps_type]) + 1)
         self.ilp_solves = 0  # counted by runtime_ilp.solve_case
         self._memo: tuple[float, tuple[float, list[tuple[int, ...]]]] | None = None
         self._mix: dict[tuple[bool, float, int], float] = {}  # (case, level, weights) -> the best lam
@@ -159,44 +90,6 @@ class RuntimeLevels(LevelPricing):
 
     def counters(self) -> dict[str, int]:
         return {"levels_solved": self.ilp_solves, "ilp_solves": self.ilp_solves}
-
-    # -- per level tables ----------------------------------------------------------------------
-
-    def replicas(self, hosted: bool, target: float) -> np.ndarray:
-        """k(i,j,t): fewest replicas of each segment reaching `target` as a stage (_HUGE: none).
-        Sync: 1 where one replica reaches it (replicas add nothing there)."""
-        tau = self.K * self.busy[hosted]
-        reach = target * (1.0 - REACH_RTOL)
-        if self.sync:
-            theta = stage_throughput(self.B, tau, self.alpha, 1.0)
-            return np.where(self.valid & (theta >= reach), 1.0, _HUGE)
-        k = fewest_replicas(self.B, tau, self.alpha, reach)
-        return np.where(self.valid & np.isfinite(k), np.minimum(k, _HUGE), _HUGE)
-
-    def ps_shards(self, hosted: bool, target: float) -> int | None:
-        """Shards for the level: the fewest reaching it (hosted: the fewest there are); None: none."""
-        model = self.model
-        if hosted or model.rows_per_sample <= 0.0:
-            return int(self.shards[0])
-        reach = target * (1.0 - REACH_RTOL)
-        for m in self.shards:
-            if model.ps_throughput(int(m)) >= reach:
-                return int(m)
-        return None
-
-    def _cases(self) -> list[bool]:
-        """hosted flags a plan can have: auto hosts one-replica plans, actors never."""
-        return [False, True] if self.auto else [False]
-
-    def loop_budget(self, target: float) -> float:
-        """async: loop ms one DataWorker may take per micro-batch round; sync: ms per batch."""
-        if self.sync:
-            return MS_PER_S * self.B / target
-        return MS_PER_S * self.B * self.terms.in_flight / (self.K * target)
-
-    def host_budgets(self, hosted: bool, target: float) -> list[float]:
-        return [MS_PER_S * self.B * free / (self.K * target) - (0.0 if hosted else service)
-                for _, free, service in self.hosts]  # fmt: skip
 
     # -- lower bounds (DP) ---------------------------------------------------------------------
 
@@ -209,7 +102,7 @@ class RuntimeLevels(LevelPricing):
         cap[self.ps_type] -= m
         k = self.replicas(hosted, target)
         if hosted:
-            k = np.where(k <= 1.0, k, _HUGE)
+            k = np.where(k <= 1.0, k, UNREACHABLE)
         rate = np.where(k <= cap[None, None, :], k * self.price, np.inf)
         return m, cap, k, rate
 
@@ -266,7 +159,7 @@ class RuntimeLevels(LevelPricing):
         """`ratio_bound`'s weights over [target, high]: (the shards' m p / min(high, X_m), per segment
         `rate` (k(target) p) divided by min(high, X_k)). Hosted shards do not limit Θ: m p / high."""
         tau = self.K * self.busy[hosted]
-        most = stage_throughput(self.B, tau, self.alpha, np.where(k < _HUGE, k, 1.0))
+        most = stage_throughput(self.B, tau, self.alpha, np.where(k < UNREACHABLE, k, 1.0))
         reach = np.minimum(high, most / (1.0 - REACH_RTOL) * (1.0 + 1e-12))
         most_ps = math.inf if hosted else self.model.ps_throughput(m) / (1.0 - REACH_RTOL) * (1.0 + 1e-12)
         fixed = m * float(self.price[self.ps_type]) / max(min(high, most_ps), target)
@@ -454,7 +347,7 @@ class RuntimeLevels(LevelPricing):
             cap[self.ps_type] -= m
             k = self.replicas(hosted, target)
             if hosted:
-                k = np.where(k <= 1.0, k, _HUGE)
+                k = np.where(k <= 1.0, k, UNREACHABLE)
             ok = k <= cap[None, None, :]
             if not ok[0].any():
                 continue

@@ -4,7 +4,9 @@ Importing this package registers the scheduler "rl" (`get_scheduler("rl", budget
 """
 
 from heterps_ray.scheduling.rl.env import PRETRAIN_TYPES, EpisodeResult, ProblemView, SchedulingEnv
-from heterps_ray.scheduling.rl.scheduler import RLConfig, RLScheduler, greedy_rollout
+from heterps_ray.scheduling.rl.rl_config import RLConfig
+from heterps_ray.scheduling.rl.rollouts import greedy_rollout
+from heterps_ray.scheduling.rl.scheduler import RLScheduler
 
 __all__ = [
     "PRETRAIN_TYPES",

@@ -30,7 +30,8 @@ import numpy as np
 from heterps_ray.costmodel import Problem
 from heterps_ray.scheduling.rl.env import ProblemView, SchedulingEnv
 from heterps_ray.scheduling.rl.level_plans import level_plans
-from heterps_ray.scheduling.rl.scheduler import play_out, problem_fingerprint
+from heterps_ray.scheduling.rl.rollouts import play_out
+from heterps_ray.scheduling.rl.scheduler import problem_fingerprint
 
 Labels = dict[str, list[int] | None]  # problem fingerprint -> exact's assignment (type indices), None: none
 

@@ -22,7 +22,9 @@ import numpy as np
 from heterps_ray.costmodel import Problem
 from heterps_ray.scheduling.generator import generate_problem
 from heterps_ray.scheduling.rl.env import ProblemView
-from heterps_ray.scheduling.rl.scheduler import RLConfig, policy_rollouts, set_weights
+from heterps_ray.scheduling.rl.rl_config import RLConfig
+from heterps_ray.scheduling.rl.rollouts import policy_rollouts
+from heterps_ray.scheduling.rl.scheduler import set_weights
 
 TRAIN_SEED_OFFSET = 1_000_000  # the training pool's generator stream: seed + this
 VALIDATION_SEED = 500_000  # validation problems: generate_problem(VALIDATION_SEED + i)

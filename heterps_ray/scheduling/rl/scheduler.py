@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,119 +37,19 @@ from heterps_ray.scheduling.rl.env import EpisodeResult, ProblemView, Scheduling
 from heterps_ray.scheduling.rl.level_plans import level_plans, scouted_plans
 from heterps_ray.scheduling.rl.policy import (
     PRETRAINED_DIR,
-    NumpyPolicy,
     has_policy,
     load_planning_policy,
     load_policy,
 )
 from heterps_ray.scheduling.rl.polish import polish
+from heterps_ray.scheduling.rl.rl_config import RLConfig
+from heterps_ray.scheduling.rl.rollouts import policy_rollouts
 
 log = logging.getLogger(__name__)
 
 _MODULE_SUBDIR = Path("learner_group") / "learner" / "rl_module" / "default_policy"
 _STATE_FILE = "rl_scheduler.json"  # beside RLlib's files: config, seed and the best plans found
 _BOUND_RTOL = 1e-9  # a plan within this of the throughput bound reaches the highest throughput
-
-
-@dataclass(frozen=True)
-class RLConfig:
-    """Every PPO hyper-parameter of the RL scheduler (RLlib names in brackets where they differ)."""
-
-    train_batch_size: int = 512
-    """env steps (layer decisions) per PPO iteration [train_batch_size_per_learner]"""
-    minibatch_size: int = 128
-    """steps per SGD minibatch"""
-    num_epochs: int = 8
-    """SGD passes over each train batch"""
-    lr: float = 1e-3
-    """Adam learning rate of policy and value networks"""
-    lr_end: float = 1.0
-    """lr falls linearly to lr * lr_end over lr_decay_steps env steps, then stays (1: constant lr)"""
-    lr_decay_steps: int = 0
-    """env steps of the linear lr decay (0: constant lr)"""
-    gamma: float = 1.0
-    """discount; 1 because the only reward is the plan's cost at the end of the episode"""
-    lambda_: float = 0.95
-    """GAE lambda"""
-    clip_param: float = 0.2
-    """PPO policy-ratio clip"""
-    vf_clip_param: float = 10.0
-    """value-loss clip (returns lie in [-6, 3])"""
-    vf_loss_coeff: float = 0.5
-    """weight of the value loss"""
-    entropy_coeff: float = 0.01
-    """entropy bonus; keeps sampling alternatives so that good plans are seen"""
-    use_kl_loss: bool = False
-    """the clipped objective alone, as in CleanRL"""
-    grad_clip: float = 0.5
-    """global gradient-norm clip"""
-    num_envs: int = 8
-    """environments stepped together by the one env runner (one forward pass serves all of them)"""
-    hidden: int = 64
-    """width of the two hidden layers of the type-scoring and value MLPs"""
-    set_hidden: int = 32
-    """width of the per-type encoder whose mean and max over the types the scorer also reads"""
-    rollouts: int = 32
-    """plans sampled from the final policy (besides its greedy plan) as candidates"""
-    rollout_temperature: float = 0.5
-    """softmax temperature of those samples: below 1 they stay near the greedy plan and differ where
-    the policy hesitates (issue 26: the cloned policy alone 1.12 against 1.18 at 1 on the wide suite)"""
-    polish: bool = True
-    """hill-climb from the best plans found (re-type a layer or a stage); see rl/polish.py"""
-    polish_starts: int = 4
-    """how many of the best distinct plans to hill-climb from"""
-    polish_share: float = 0.1
-    """share of the training budget kept for polishing (with `iterations`: run to a local optimum)"""
-    zero_shot_polish_s: float = 0.5
-    """polishing time when planning with a saved policy without training"""
-    level_plans_s: float = 0.4
-    """time for the level walk's plans before polishing (rl/level_plans.py; 0: none); without a
-    polishing deadline (`iterations`) the walk runs to its end"""
-    scouted_plans_s: float = 0.7
-    """on a problem with runtime terms, time for the plans exact's runtime levels scout, before the
-    level walk's (rl/level_plans.scouted_plans; 0: none; without a deadline, all of them)"""
-
-    def ppo_config(self, env_config: dict[str, Any], seed: int) -> Any:
-        """The RLlib PPOConfig: one local env runner and one local learner, inside the current Ray."""
-        from ray.rllib.algorithms.ppo import PPOConfig
-        from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-
-        from heterps_ray.scheduling.rl.module import TypeScoringModule
-
-        return (
-            PPOConfig()
-            .environment(SchedulingEnv, env_config=env_config)
-            .env_runners(num_env_runners=0, num_envs_per_env_runner=self.num_envs)
-            .learners(num_learners=0)
-            .rl_module(
-                rl_module_spec=RLModuleSpec(
-                    module_class=TypeScoringModule,
-                    model_config={"hidden": self.hidden, "set_hidden": self.set_hidden},
-                )
-            )
-            .training(
-                train_batch_size_per_learner=self.train_batch_size,
-                minibatch_size=self.minibatch_size,
-                num_epochs=self.num_epochs,
-                lr=self._lr_schedule(),
-                gamma=self.gamma,
-                lambda_=self.lambda_,
-                clip_param=self.clip_param,
-                vf_clip_param=self.vf_clip_param,
-                vf_loss_coeff=self.vf_loss_coeff,
-                entropy_coeff=self.entropy_coeff,
-                use_kl_loss=self.use_kl_loss,
-                grad_clip=self.grad_clip,
-            )
-            .reporting(metrics_num_episodes_for_smoothing=20)
-            .debugging(seed=seed, log_level="ERROR")
-        )
-
-    def _lr_schedule(self) -> float | list[list[float]]:
-        """RLlib's piecewise-linear schedule over sampled env steps, or the constant lr."""
-        if self.lr_end == 1.0 or self.lr_decay_steps <= 0:
-            return self.lr
-        return [[0, self.lr], [self.lr_decay_steps, self.lr * self.lr_end]]
 
 
 @register_scheduler("rl")
@@ -493,75 +393,6 @@ class RLScheduler(Scheduler):
         )
         path.write_text(json.dumps(state, indent=1) + "\n")
 
-
-# ---------------------------------------------------------------------------------------------
-
-
-def greedy_rollout(module: Any, view: ProblemView) -> EpisodeResult:
-    """Play one episode choosing the policy's most likely (unmasked) type at every layer."""
-    return policy_rollouts(module, view, samples=0)[0]
-
-
-def policy_rollouts(
-    module: Any, view: ProblemView, samples: int, seed: int = 0, temperature: float = 1.0
-) -> list[EpisodeResult]:
-    """The greedy episode, then `samples` episodes drawn from the policy (its softmax at `temperature`);
-    all played in lockstep. `module`: a NumpyPolicy, a PolicyNetwork or the trained TypeScoringModule."""
-    envs = [SchedulingEnv({"problems": [view.problem]}) for _ in range(samples + 1)]
-    observations = [env.reset(options={"problem": view})[0] for env in envs]
-    return play_out(module, view, envs, observations, np.random.default_rng(seed), temperature)
-
-
-def play_out(
-    module: Any,
-    view: ProblemView,
-    envs: list[SchedulingEnv],
-    observations: list,
-    rng: np.random.Generator,
-    temperature: float = 1.0,
-    greedy: int = 1,
-    trace: list[tuple[list, list[int], list[int]]] | None = None,
-) -> list[EpisodeResult]:
-    """Play `envs` (all at the same layer of `view`, `observations` their current ones) to the end in
-    lockstep: the first `greedy` by the policy's greedy type, the others sampled at `temperature`.
-    `trace`: per layer, (what each episode saw, each one's greedy type, the type it took) is appended."""
-    threads = None
-    if isinstance(module, NumpyPolicy):
-        score = module.logits
-    else:
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny matrices: on a busy machine more threads only wait for each other
-        score = _torch_logits(module)
-    try:
-        for _ in range(envs[0].layer, view.num_layers):  # every episode has one step per layer
-            batch = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
-            z = np.asarray(score(batch), dtype=np.float64) / temperature  # the greedy type is the same
-            z = np.exp(z - z.max(axis=-1, keepdims=True))
-            probabilities = z / z.sum(axis=-1, keepdims=True)
-            actions = [int(np.argmax(p)) for p in probabilities[:greedy]]
-            actions += [int(rng.choice(len(p), p=p / p.sum())) for p in probabilities[greedy:]]
-            if trace is not None:
-                trace.append((observations, [int(np.argmax(p)) for p in probabilities], actions))
-            observations = [env.step(a)[0] for env, a in zip(envs, actions, strict=True)]
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
-    results = [env.last_result for env in envs]
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
-
-
-def _torch_logits(module: Any) -> Any:
-    """A torch module's type logits as a function of a numpy batch (no gradients)."""
-    import torch
-
-    def logits(batch: dict[str, np.ndarray]) -> np.ndarray:
-        with torch.no_grad():
-            return module.logits({k: torch.as_tensor(v) for k, v in batch.items()}).double().numpy()
-
-    return logits
 
 
 def problem_fingerprint(problem: Problem) -> str:

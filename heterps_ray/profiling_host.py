@@ -1,5 +1,5 @@
 """The profiling actor: :class:`LayerProfiler`, one process pinned to one resource type that times
-what the profiler (profiler.py) asks of it there and returns plain numbers. Ray is imported by the calls that use it only: the timing runs in a process without
+what the profiler (profiling/profiler.py) asks of it there and returns plain numbers. Ray is imported by the calls that use it only: the timing runs in a process without
 Ray too (scripts/gpu_check.py --no-ray).
 
 It builds the model (and, at index ``num_layers``, the whole model as one stage) on the device its
@@ -12,6 +12,10 @@ time (the 1- vs 2-replica runs); messages of a size sent to a peer actor; a peer
 calls; pull+push through a :class:`~heterps_ray.ps.client.PSClient` and dense pushes to a real
 PS shard; a dataset's read rate; its machine's cores and background load, and the raylet's CPU per
 call. Which measurements to take, on which actors, and the rows they become are profiler.py's.
+
+It sits below both the profiler and the runtime: the runtime's actors are each a ProfilingHost
+(the layer timings run in the processes the run then reuses), and the profiler drives them, so neither
+imports the other.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from heterps_ray.host_cpu import busy_cpu_s
 from heterps_ray.models import build_model
-from heterps_ray.profiling.host_cpu import busy_cpu_s
 
 _CALL_PAYLOAD_BYTES = 256 << 10  # above Ray's inline limit (100 KiB): goes through the object store
 PEER_TIMEOUT_S = 300.0  # a call to a peer actor not answered by then fails the measurement (never hangs)

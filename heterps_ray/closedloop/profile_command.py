@@ -1,4 +1,7 @@
-"""`heterps profile JOB.yaml --output problem.yaml`: measure the job's model on the live cluster."""
+"""`heterps profile JOB.yaml --output problem.yaml`: measure the job's model on the live cluster.
+
+It lives in the closed loop, not in profiling/, because it also runs the runtime's probes
+(closedloop/probes.py `profile_job`): the profiler itself imports nothing above it."""
 
 from __future__ import annotations
 
