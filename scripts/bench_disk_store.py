@@ -26,7 +26,7 @@ import numpy as np
 from heterps_ray.ps._rows import pread_records
 
 from heterps_ray.data.dataset import Dataset
-from heterps_ray.ps.table import row_bytes
+from heterps_ray.ps.row_bytes import row_bytes
 
 PAGE = 4096
 BATCH = 4096  # rows read per batch (a Criteo batch of 512 has ~3-4k distinct keys missing from RAM at most)

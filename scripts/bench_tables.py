@@ -55,7 +55,8 @@ def run_case(rows: int, dim: int, optimizer: str, calls: int, table_args: dict[s
     """One case, in this process (meant to be a fresh one)."""
     import numpy as np
 
-    from heterps_ray.ps.table import SparseTable, row_bytes
+    from heterps_ray.ps.row_bytes import row_bytes
+    from heterps_ray.ps.table import SparseTable
 
     rng = np.random.default_rng(0)
     batches = -(-rows // BATCH_KEYS)

@@ -334,7 +334,7 @@ def _gpu_table(
     its rows against the same plan's with the rows on the CPU (the GPU's Adagrad is the CPU store's
     arithmetic); a cache a quarter of the table; a checkpoint and a resume through it."""
     from heterps_ray.models import build_model
-    from heterps_ray.ps.table import device_row_bytes
+    from heterps_ray.ps.row_bytes import device_row_bytes
     from heterps_ray.runtime.checkpoint import load_checkpoint
     from heterps_ray.runtime.driver import train
 

@@ -21,7 +21,7 @@ from heterps_ray.costmodel.table_memory import table_place
 from heterps_ray.data.dataset import Dataset
 from heterps_ray.devices import CUDA_AS_CPU_VAR
 from heterps_ray.profiling.probes import PROBE_WARMUP
-from heterps_ray.ps.table import device_row_bytes
+from heterps_ray.ps.row_bytes import device_row_bytes
 from heterps_ray.runtime.checkpoint import load_checkpoint
 from heterps_ray.runtime.driver import RunSummary, train
 from heterps_ray.runtime.reference import ReferenceTrainer

@@ -12,9 +12,10 @@ import torch
 
 from heterps_ray.config import TableConfig, load_job
 from heterps_ray.ps.client import PSClient
+from heterps_ray.ps.row_bytes import max_rows_for
 from heterps_ray.ps.shard import PSShard, reshard_states, start_shards
 from heterps_ray.ps.spec import TableSpec, shard_of, sparse_spec
-from heterps_ray.ps.table import SparseTable, max_rows_for
+from heterps_ray.ps.table import SparseTable
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = TableSpec(dim=4, seed=7, lr=0.05, init_accumulator=0.1, init_scale=0.01)

@@ -24,7 +24,7 @@ from heterps_ray.costmodel import load_problem, problem_from_dict
 from heterps_ray.costmodel.table_memory import GIB, estimate_table, shards_needed, table_section, with_table
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import ConfigError
-from heterps_ray.ps.table import row_bytes, stored_bytes_per_row
+from heterps_ray.ps.row_bytes import row_bytes, stored_bytes_per_row
 from heterps_ray.runtime.actors import hosts_shards
 from heterps_ray.scheduling import get_scheduler
 

@@ -16,7 +16,7 @@ what the job can create: ``train_steps`` × ``batch_size`` values when the job s
   than the 1.58M distinct values). A dataset written before that field keeps the upper bound of every
   distinct value as a row, with a note.
 
-A row costs :func:`~heterps_ray.ps.table.stored_bytes_per_row`: its payload (key, weights, Adagrad state,
+A row costs :func:`~heterps_ray.ps.row_bytes.stored_bytes_per_row`: its payload (key, weights, Adagrad state,
 counters when admission, TTL or a cap is on) and the index at its sparsest (149.3 B/row at dim 16
 untracked, measured: BENCHMARKS.md "Table memory").
 
@@ -42,14 +42,14 @@ import numpy as np
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
+from heterps_ray.ps.row_bytes import CANDIDATE_BYTES, INDEX_BYTES, device_rows_within, stored_bytes_per_row
 from heterps_ray.ps.spec import sparse_spec
-from heterps_ray.ps.table import _CANDIDATE_BYTES, _INDEX_BYTES, device_rows_within, stored_bytes_per_row
 
 GIB = 2**30
 NO_SHARD_COUNT = 2**31 - 1  # shards_needed where an actor has no table memory: more than any type has
 # A key waiting for admission: its candidate entry (key, count, last seen) and its slot in the candidates'
 # index at its sparsest (heterps_ray.ps.table, as max_rows_for counts it).
-BYTES_PER_WAITING = _CANDIDATE_BYTES + _INDEX_BYTES
+BYTES_PER_WAITING = CANDIDATE_BYTES + INDEX_BYTES
 
 
 @dataclass(frozen=True)

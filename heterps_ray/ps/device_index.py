@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from heterps_ray.ps.table import DEVICE_INDEX_BUCKET_BYTES
+from heterps_ray.ps.row_bytes import DEVICE_INDEX_BUCKET_BYTES
 
 EMPTY = -1  # a bucket's value: never held a key (a lookup stops here)
 TOMBSTONE = -2  # held a key that was removed (a lookup steps over it)

@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from heterps_ray.ps.device_index import DeviceIndex
-from heterps_ray.ps.table import ADAGRAD_EPS, device_rows_within
+from heterps_ray.ps.row_bytes import device_rows_within
+from heterps_ray.ps.table import ADAGRAD_EPS
 from heterps_ray.ps.tier_stats import TierStats
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from heterps_ray.ps.table import max_rows_for, splitmix64
+from heterps_ray.ps.row_bytes import max_rows_for
+from heterps_ray.ps.table import splitmix64
 
 if TYPE_CHECKING:
     from heterps_ray.config import JobConfig

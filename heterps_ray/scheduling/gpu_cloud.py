@@ -48,7 +48,7 @@ import numpy as np
 from heterps_ray.config import ACTOR_RESERVE_GB, DRIVER_GB, OBJECT_STORE_GB
 from heterps_ray.costmodel import Problem
 from heterps_ray.costmodel.table_memory import GIB, lru_hit_rate, shards_needed
-from heterps_ray.ps.table import device_row_bytes, device_rows_within, stored_bytes_per_row
+from heterps_ray.ps.row_bytes import device_row_bytes, device_rows_within, stored_bytes_per_row
 from heterps_ray.scheduling.generator import CPU_PER_SAMPLE_MS, chain_of_layers, layer_entry, with_drawn_floor
 
 OPTIMIZER = "adagrad"  # the sparse rows' optimizer (ps/shard.py's default)
@@ -262,7 +262,7 @@ def gpu_budget_gib(kind: Kind) -> float:
 
 
 def gpu_rows(kind: Kind, dim: int) -> int:
-    """Rows `kind`'s GPU memory holds for a table of `dim` (the GPU tier's own count, ps/table.py)."""
+    """Rows `kind`'s GPU memory holds for a table of `dim` (the GPU tier's own count, ps/row_bytes.py)."""
     return device_rows_within(gpu_budget_gib(kind) * GIB, dim, OPTIMIZER)
 
 
