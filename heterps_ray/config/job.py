@@ -168,7 +168,8 @@ class RuntimeConfig(BaseModel):
         0,
         ge=0,
         description="batches (after a DataWorker's first 10) whose ops torch.profiler counts: aten ops, GPU "
-        "kernels and waits for the device per batch, in the run summary's data_ops_per_batch (0: none)",
+        "kernels and waits for the device per batch, in the run summary's data_ops_per_batch; with it on, "
+        "every thread's CPU per batch too (data_threads_cpu_ms_per_batch; 0: neither)",
     )
     gpu_table: Literal["auto", "off"] = Field(
         "auto",

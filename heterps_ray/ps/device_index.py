@@ -5,11 +5,11 @@ given slots, where the rows live, so the host moves a batch's raw keys and nothi
 code runs on the CPU, where the tests run it.
 
 Why open addressing, and not the sorted keys TorchRec's managed collisions keep (``searchsorted``): a
-lookup is then one gather per probe (1-2 at load <= 1/2), where a binary search over millions of keys is
-~20 dependent gathers, and a sorted array takes new keys only by a merge, a sort of the whole index, on
-every batch that brings one (every batch, early in a run). Measured on this machine's CPU, 8192 x 26
-Criteo-shaped keys (51,814 distinct) a batch: ``searchsorted`` of the batch into the sorted keys 7.0
-ms, against the probes of its ~30k distinct keys ~1 ms (BENCHMARKS.md "The device key index").
+sorted index takes new keys only by a merge, a sort of every key held, on each batch that brings one (most
+batches of a Criteo-shaped run), and on a GPU a search is ~20 dependent gathers where a probe here is 1-3
+rounds of one gather. On this machine's CPU the sorted search of a batch's distinct keys was quicker
+(1.3 ms against 5.1 for ~15k keys, docs/benchmarks/gpu.md "The CPU stand-in and the device key index"),
+but the GPU is what the index is for; a Triton kernel for its probe is the next step there.
 
 The map, as FBGEMM's and HierarchicalKV's: linear probing from a multiplicative (Fibonacci) hash, load
 at most 1/2, a removed key leaves a tombstone that lookups step over, and the map is rebuilt (grown if

@@ -145,7 +145,7 @@ class DataWorker(StageActor):
         self.hosted: list[PSShard] = []
         self._busy = Busy()
         self._clock = PhaseClock()
-        self._threads = ThreadCPU()  # every thread's CPU while training, by role
+        self._threads = ThreadCPU(on=data.op_profile_batches > 0)  # every thread's CPU while training
         self._ops = OpCounter(data.op_profile_batches)
         self._trained = 0  # batches trained by this process (what the CPU above is spent on)
         self.sparse = sparse_link(
