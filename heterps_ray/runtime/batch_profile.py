@@ -122,14 +122,16 @@ class OpCounter:
             self._t0 = time.perf_counter()
         self._seen += 1
 
-    def after_batch(self) -> None:
-        if self._profile is None or self._seen < self.skip + self.batches:
+    def after_batch(self, last: bool = False) -> None:
+        """After a batch; `last`: no batch follows (the data ended), so stop over the batches seen."""
+        if self._profile is None or (self._seen < self.skip + self.batches and not last):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - self._t0) * 1000.0
         self._profile.stop()
-        self.per_batch = _count(self._profile.events(), self.batches, wall_ms)
+        profiled = max(self._seen - self.skip - (1 if last else 0), 1)  # `last`: the read that found none
+        self.per_batch = _count(self._profile.events(), profiled, wall_ms)
         self._profile = None
 
 

@@ -204,6 +204,7 @@ class DataWorker(StageActor):
                     item = next(self._batches, None)
                 if item is None:
                     exhausted = True
+                    self._ops.after_batch(last=True)
                     break
                 self._train_batch(*item)
                 self._ops.after_batch()
