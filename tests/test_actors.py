@@ -24,6 +24,7 @@ from helpers import TINY_MODEL
 
 from heterps_ray.cli import main
 from heterps_ray.config import load_cluster, load_job
+from heterps_ray.costmodel.table_memory import estimate_table
 from heterps_ray.devices import CUDA_AS_CPU_VAR
 from heterps_ray.models import build_model
 from heterps_ray.runtime.actors import ActorSet
@@ -133,7 +134,8 @@ def test_a_set_that_never_started_walks_and_shuts_down_as_empty(data, tmp_path):
         StageSpec(0, 0, 1, "cpu_small", 1, ("embedding",)),
         StageSpec(1, 1, 4, "cpu_big", 1, ("fc1", "fc2", "logit")),
     ]
-    actors = ActorSet(job, model, stages, 1, sorted((data / "split=train").glob("*.parquet")))
+    files = sorted((data / "split=train").glob("*.parquet"))
+    actors = ActorSet(job, model, stages, 1, files, estimate_table(job, model.embedding_dim))
     assert actors.all_actors() == [] and actors.trained_actors() == {}
     actors.shutdown()  # nothing to end, and no error
     actors.shutdown(keep_warm=True)

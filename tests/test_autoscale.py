@@ -33,11 +33,11 @@ def test_bundles_are_the_actors_a_plan_starts():
     assert small == {"CPU": 0.25, "cpu_small": 1.0} and big == {"CPU": 0.5, "cpu_big": 1.0}
     assert profile_bundles(job.cluster) == [small, big]
     two = load_plan(PLANS / "small_two_stage.json")  # single replicas: the PS lives in DataWorker 0
-    assert plan_bundles(job, two) == [actor_bundle(job.cluster, s.type) for s in two.stages]
+    assert plan_bundles(job, two, None) == [actor_bundle(job.cluster, s.type) for s in two.stages]
     raw = two.to_dict()
     raw["stages"][1]["replicas"] = 2  # a replicated stage: every shard is an actor of the PS type
     replicated = Plan.from_dict(raw)
-    assert plan_bundles(job, replicated) == [
+    assert plan_bundles(job, replicated, None) == [
         actor_bundle(job.cluster, two.stages[0].type),
         *[actor_bundle(job.cluster, two.stages[1].type)] * 2,
         *[small] * replicated.ps_shards,
@@ -134,7 +134,9 @@ def test_run_gets_exactly_the_nodes_of_its_plan_trains_as_embedded_and_gives_the
         ended = time.monotonic()
         # the same plan on the embedded cluster (every type declared: the session's Ray), same data and
         # seed, run while the autoscaler's idle timeout counts down on the nodes the run gave back
-        assert main(["run", str(plain), "--problem", str(problem), "--steps", str(steps), "--no-progress"]) == 0
+        assert (
+            main(["run", str(plain), "--problem", str(problem), "--steps", str(steps), "--no-progress"]) == 0
+        )
         _wait_gone(cluster, within_s=120)
         gone_after = time.monotonic() - ended
     report = json.loads((tmp_path / "autoscaled" / "run_report.json").read_text())

@@ -218,6 +218,28 @@ def test_run_with_unreachable_floor_names_the_highest_reachable(first_run, tmp_p
 
 
 @pytest.mark.slow
+def test_a_run_estimates_its_table_once(first_run, tmp_path, monkeypatch):
+    """Issue 52: following the job from run_job (the early refusal, the problem, the plan's shards,
+    where the rows live, the actors), the table's estimate is computed once and every stop reads it.
+    The runtime probes train other jobs (probe_job), which a given problem leaves out."""
+    from heterps_ray.costmodel import table_memory
+
+    job, _, first_out = first_run
+    job = load_job(_job(tmp_path, data={"path": str(job.data.path)}))
+    counted = table_memory.expected_rows
+    calls: list[object] = []
+
+    def counting(meta, of_job, meta_file):
+        calls.append(of_job)
+        return counted(meta, of_job, meta_file)
+
+    monkeypatch.setattr(table_memory, "expected_rows", counting)
+    run_job(job, steps=4, progress=False, problem_file=first_out / "problem.yaml")
+    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 4
+    assert calls == [job]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_readme_main_command_runs_the_quickstart_job(tmp_path):
     """The README's main command as written, `heterps run configs/jobs/quickstart.yaml` (scheduler rl,

@@ -287,14 +287,17 @@ def test_train_refuses_a_plan_whose_shards_cannot_hold_the_table_before_ray_star
     job = load_job(job_file)
     plan = REPO / "configs" / "plans" / "quickstart.json"  # one replica per stage: would host its 2 shards
     stages = [type("S", (), {"type": "cpu_small", "replicas": 1})()]
-    assert not hosts_shards(job, stages, 2)  # the whole table does not fit one cpu_small DataWorker
+    assert not hosts_shards(
+        job, stages, 2, estimate_table(job)
+    )  # the whole table does not fit one cpu_small DataWorker
     assert main(["train", str(job_file), "--plan", str(plan), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "field 'ps_shards'" in err and str(plan) in err
     assert "5,200,000 expected rows x 149.3 B/row" in err and "at least 3 shards needed" in err
     assert not (tmp_path / "out").exists()
     small = _with_distinct(small_data, tmp_path / "s", 1_000)
-    assert hosts_shards(load_job(_job_file(tmp_path, small, cluster=cluster)), stages, 2)
+    small_job = load_job(_job_file(tmp_path, small, cluster=cluster))
+    assert hosts_shards(small_job, stages, 2, estimate_table(small_job))
 
 
 def test_hosted_shards_are_priced_as_actors_where_a_dataworker_cannot_hold_the_table(small_data, tmp_path):
@@ -418,5 +421,7 @@ def test_the_hot_set_for_a_target_hit_rate_is_the_lru_cache_that_reaches_it():
         assert rows is not None and rows < len(counts)
         assert lru_hit_rate(counts, rows) == pytest.approx(target, abs=0.002)
         assert lru_hit_rate(counts, rows * 0.9) < target
-    assert hot_rows_for(counts, 0.7, rows=10 * len(counts)) == pytest.approx(10 * hot_rows_for(counts, 0.7), rel=1e-3)
+    assert hot_rows_for(counts, 0.7, rows=10 * len(counts)) == pytest.approx(
+        10 * hot_rows_for(counts, 0.7), rel=1e-3
+    )
     assert hot_rows_for(counts, 1.0 - len(counts) / counts.sum() + 0.01) is None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from heterps_ray.config import ClusterConfig, JobConfig
 from heterps_ray.costmodel import Plan
+from heterps_ray.costmodel.table_memory import TableEstimate
 from heterps_ray.runtime.actors import actor_bundle, hosts_shards
 from heterps_ray.runtime.elastic import ResourcesChanged, present_types
 from heterps_ray.runtime.loop import FloorMissed
@@ -46,13 +47,13 @@ POLL_S = 1.0  # s between two looks at the cluster's nodes (one GCS call each)
 PROGRESS_EVERY_S = 15.0  # s between two "still waiting" lines
 
 
-def plan_bundles(job: JobConfig, plan: Plan) -> list[dict[str, float]]:
+def plan_bundles(job: JobConfig, plan: Plan, estimate: TableEstimate | None) -> list[dict[str, float]]:
     """One bundle per actor `plan` starts for `job`: a DataWorker per stage-0 replica, a StageWorker per
     replica of the other stages, a PS shard actor per shard unless the shards are hosted in DataWorker 0
-    (runtime/actors.py hosts_shards)."""
+    (runtime/actors.py hosts_shards, with the run's table `estimate`)."""
     types = [s.type for s in plan.stages for _ in range(s.replicas)]
     shards = job.runtime.ps_shards or int(plan.ps_shards)
-    if not hosts_shards(job, plan.stages, shards):
+    if not hosts_shards(job, plan.stages, shards, estimate):
         types += [job.cluster.ps_resource] * shards
     return [actor_bundle(job.cluster, t) for t in types]
 
@@ -259,8 +260,10 @@ class PlanNodes:
     mid-run is asked for again (the request stands while training) before the run re-plans without
     it. The request is cleared when the ``with`` block ends, however it ends."""
 
-    def __init__(self, job: JobConfig, waits: list[NodeWait], progress: bool = True):
-        self.job, self.waits, self.progress = job, waits, progress
+    def __init__(
+        self, job: JobConfig, estimate: TableEstimate | None, waits: list[NodeWait], progress: bool = True
+    ):
+        self.job, self.estimate, self.waits, self.progress = job, estimate, waits, progress
         self.enabled = job.cluster.autoscale.enabled
 
     def __enter__(self) -> PlanNodes:
@@ -306,7 +309,9 @@ class PlanNodes:
         )
 
     def _wait(self, plan: Plan, purpose: str) -> list[str]:
-        nodes = NodeRequest(self.job.cluster, plan_bundles(self.job, plan), purpose, progress=self.progress)
+        nodes = NodeRequest(
+            self.job.cluster, plan_bundles(self.job, plan, self.estimate), purpose, progress=self.progress
+        )
         missing = nodes.request().wait()
         self.waits.append(nodes.record)
         return missing

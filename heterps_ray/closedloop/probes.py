@@ -9,6 +9,7 @@ import ray
 
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.plan import Plan, PlanStage
+from heterps_ray.costmodel.table_memory import TableEstimate
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.fit import FitResult
@@ -22,11 +23,14 @@ from heterps_ray.runtime.stage_worker import StageWorker
 from heterps_ray.runtime.workers import DataWorker
 
 
-def profile_job(job: JobConfig, settings: ProfileSettings) -> FitResult:
+def profile_job(
+    job: JobConfig, settings: ProfileSettings, estimate: TableEstimate | None = None
+) -> FitResult:
     """The job's whole profile on the live Ray: every layer on every type, then the runtime probes,
     all in the runtime's warm actors (:class:`WarmHosts`): a torch-importing process starts once per
-    role and type, and stays warm for the run that follows."""
-    return profile(job, settings, run_probe, WarmHosts())
+    role and type, and stays warm for the run that follows. `estimate`: the run's table estimate
+    (None: estimated from the job's dataset)."""
+    return profile(job, settings, run_probe, WarmHosts(), estimate)
 
 
 class WarmHosts:

@@ -9,16 +9,16 @@ from pathlib import Path
 from heterps_ray.closedloop.probes import WarmHosts, run_probe
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Problem, load_problem, problem_from_dict
-from heterps_ray.costmodel.table_memory import with_table
+from heterps_ray.costmodel.table_memory import TableEstimate, with_table
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.profiler import ProfileSettings, fit_runs, measure
 
 
-def given_problem(path: Path, job: JobConfig, copy: Path) -> Problem:
+def given_problem(path: Path, job: JobConfig, copy: Path, estimate: TableEstimate | None) -> Problem:
     """`heterps run --problem FILE`: the problem to plan on instead of a profile, checked against the
-    job (same layers, and types of the job's cluster) and given the job's floor, batch size and
-    samples; saved as output_dir/problem.yaml."""
+    job (same layers, and types of the job's cluster) and given the job's floor, batch size, samples
+    and table (`estimate`, the run's); saved as output_dir/problem.yaml."""
     if not path.is_file():
         raise ConfigError(str(path), "--problem", "an existing problem file (YAML or JSON)", str(path))
     problem = load_problem(path)
@@ -31,7 +31,7 @@ def given_problem(path: Path, job: JobConfig, copy: Path) -> Problem:
         raise ConfigError(str(path), "resources", f"resource types of cluster {job.cluster.name!r}", unknown)
     data = problem.to_dict()
     data.update(throughput_min=job.throughput_min, batch_size=job.batch_size, samples=job.samples)
-    with_table(data, job)  # the job's table, not the one the problem was profiled with
+    with_table(data, job, estimate=estimate)  # the job's table, not the one the problem was profiled with
     problem = problem_from_dict(data, str(path))
     if path.resolve() != copy.resolve():
         problem.save(copy)
@@ -65,10 +65,14 @@ def restrict_problem(problem: Problem, types: list[str]) -> Problem:
 
 
 def profile_joined_types(
-    job: JobConfig, problem: Problem, types: list[str], settings: ProfileSettings
+    job: JobConfig,
+    problem: Problem,
+    types: list[str],
+    settings: ProfileSettings,
+    estimate: TableEstimate | None,
 ) -> tuple[Problem, list[str]]:
     """`problem` with the `types` it has no profile of (they joined the cluster mid-run) measured now on
-    real actors, with the same `settings` (a ProfileSettings) as the first profile, and their fitted
+    real actors, with the same `settings` (a ProfileSettings) and table `estimate` as the first profile, and their fitted
     entries merged in: each layer's time_ms on them (calibrated by their runtime probes), their resource
     entry (bandwidth and latency from transfers to their own kind and to the PS type, read rate, per-call
     work) and their probes' call_ms (DESIGN.md §3b). The PS type is
@@ -89,7 +93,7 @@ def profile_joined_types(
     both = job.model_copy(update={"cluster": cluster})
     # in the runtime's warm actors (the run's idle ones reconfigured, others making room: warm.py)
     run = measure(both, build_model(job.model), settings, run_probe, WarmHosts())
-    fitted = fit_runs(both, [run], settings).problem
+    fitted = fit_runs(both, [run], settings, estimate).problem
     data = problem.to_dict()
     data["resources"] += [r for r in fitted["resources"] if r["name"] in joined]
     by_name = {layer["name"]: layer for layer in fitted["layers"]}

@@ -15,6 +15,7 @@ from heterps_ray.closedloop.report import floor_error, plan_line
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Plan, Problem
 from heterps_ray.costmodel.calibrate import predicted_throughput, refit
+from heterps_ray.costmodel.table_memory import TableEstimate
 from heterps_ray.errors import InfeasibleError
 from heterps_ray.profiling.profiler import ProfileSettings
 from heterps_ray.runtime.elastic import ResourcesChanged
@@ -42,15 +43,16 @@ class Replanner:
     """Turns a stop of training (FloorMissed, ResourcesChanged) into the next plan to resume with."""
 
     def __init__(
-        self, job: JobConfig, scheduler: Scheduler, settings: ProfileSettings, out: Path, decisions: Decisions
+        self,
+        job: JobConfig,
+        estimate: TableEstimate | None,
+        scheduler: Scheduler,
+        settings: ProfileSettings,
+        out: Path,
+        decisions: Decisions,
     ):
-        self.job, self.scheduler, self.settings, self.out, self.decisions = (
-            job,
-            scheduler,
-            settings,
-            out,
-            decisions,
-        )
+        self.job, self.estimate, self.scheduler, self.settings = job, estimate, scheduler, settings
+        self.out, self.decisions = out, decisions
 
     def after(self, stop: FloorMissed | ResourcesChanged) -> Path | None:
         """Re-plan after `stop`; the new plan is in ``decisions``. Returns the checkpoint to resume
@@ -105,7 +107,9 @@ class Replanner:
         if len(d.replans) >= MAX_REPLANS:
             raise change
         # a type that joined and was not profiled at the start is profiled now
-        d.problem, profiled = profile_joined_types(self.job, d.problem, change.now, self.settings)
+        d.problem, profiled = profile_joined_types(
+            self.job, d.problem, change.now, self.settings, self.estimate
+        )
         present = restrict_problem(d.problem, change.now)
         plan = feasible(self.scheduler.schedule(present), present, self.job)
         record = {

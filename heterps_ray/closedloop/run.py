@@ -49,7 +49,12 @@ from heterps_ray.closedloop.state import STATE_FILE, has_state, load_state, save
 from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel import Plan, Problem, load_problem, one_replica_per_stage
-from heterps_ray.costmodel.table_memory import check_job_table, check_table_fits
+from heterps_ray.costmodel.table_memory import (
+    TableEstimate,
+    check_job_table,
+    check_table_fits,
+    estimate_table,
+)
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.errors import ConfigError, InfeasibleError
 from heterps_ray.profiling.fit import write_problem
@@ -91,8 +96,10 @@ def run_job(
             None, "--resume", "not together with --overwrite (a resumed run deletes nothing)", resume
         )
     saved = load_state(out, job) if resuming else None
+    # the table's estimate, once for the whole run: every stop reads it (None: no dataset yet)
+    estimate = estimate_table(job)
     if saved is None:
-        check_job_table(job)  # a table no plan can hold: refused before anything starts (exit 3)
+        check_job_table(job, estimate)  # a table no plan can hold: refused before anything starts (exit 3)
         _claim(out, overwrite)
     elif saved[2]:  # finished: the report is there, nothing is left to do
         print(f"{out}: the run finished already; its report is {out / REPORT_FILE}")
@@ -111,15 +118,26 @@ def run_job(
         with warm.hold():  # the profile's and every plan's idle actors wait for the re-plans
             with _timed(seconds, "data"):
                 prepare_dataset(job.data, seed=job.seed)
+            if estimate is None:  # the dataset was made just now (data.synth_rows)
+                estimate = estimate_table(job)
             if saved is None:
-                decisions = _plan(job, scheduler, settings, out, problem_file, seconds, waits)
+                decisions = _plan(job, estimate, scheduler, settings, out, problem_file, seconds, waits)
             else:
                 decisions = saved[0]
                 print(f"resuming {out} with {plan_line(decisions.plan)}")
             save_state(out, job, decisions, seconds)
             with _timed(seconds, "train"):
                 summary, gave_up = _train(
-                    job, scheduler, settings, decisions, steps, progress, overwrite, saved is not None, waits
+                    job,
+                    estimate,
+                    scheduler,
+                    settings,
+                    decisions,
+                    steps,
+                    progress,
+                    overwrite,
+                    saved is not None,
+                    waits,
                 )
     finally:
         if owns_ray:
@@ -142,6 +160,7 @@ def run_job(
 
 def _plan(
     job: JobConfig,
+    estimate: TableEstimate | None,
     scheduler: Scheduler,
     settings: ProfileSettings,
     out: Path,
@@ -152,7 +171,7 @@ def _plan(
     """The problem (profiled, or the given file) and the scheduler's plan for it (output_dir/plan.json).
     On an autoscaling cluster a profile runs on one node of each type, requested for it (`waits`)."""
     with _timed(seconds, "profile"), profile_nodes(job, waits, wanted=problem_file is None):
-        problem = _problem(job, settings, out, problem_file, seconds)
+        problem = _problem(job, estimate, settings, out, problem_file, seconds)
     check_table_fits(problem, str(out / "problem.yaml"))
     with _timed(seconds, "plan"):
         plan = feasible(scheduler.schedule(problem), problem, job)
@@ -180,6 +199,7 @@ def _claim(out: Path, overwrite: bool) -> None:
 
 def _problem(
     job: JobConfig,
+    estimate: TableEstimate | None,
     settings: ProfileSettings,
     out: Path,
     problem_file: str | Path | None,
@@ -188,9 +208,9 @@ def _problem(
     """The problem to plan on: the given file, or a profile of the live cluster (output_dir/problem.yaml);
     the profile's parts go into `seconds` as "profile.<part>" (layers, probes, fit)."""
     if problem_file is not None:
-        problem = given_problem(Path(problem_file), job, out / "problem.yaml")
+        problem = given_problem(Path(problem_file), job, out / "problem.yaml", estimate)
     else:
-        fit = profile_job(job, settings)
+        fit = profile_job(job, settings, estimate)
         seconds.update({f"profile.{part}": took for part, took in fit.seconds.items()})
         path = write_problem(fit, out / "problem.yaml")["problem"]
         problem = load_problem(path)
@@ -203,6 +223,7 @@ def _problem(
 
 def _train(
     job: JobConfig,
+    estimate: TableEstimate | None,
     scheduler: Scheduler,
     settings: ProfileSettings,
     decisions: Decisions,
@@ -217,12 +238,12 @@ def _train(
     the summary, or the closed loop's exit-3 error once it gives up. On an autoscaling cluster each
     plan's nodes are requested before it trains and given back at the end (PlanNodes, `waits`)."""
     out = Path(job.output_dir)
-    replanner = Replanner(job, scheduler, settings, out, decisions)
+    replanner = Replanner(job, estimate, scheduler, settings, out, decisions)
     resume: Path | None = None
     stops = 0
     restart: _Restart | None = None  # the last re-plan, until its run has trained a batch
     gone: set[str] = set()  # types that left the cluster and did not come back
-    with PlanNodes(job, waits) as nodes:  # its lines print with --no-progress too, as re-plans do
+    with PlanNodes(job, estimate, waits) as nodes:  # its lines print with --no-progress too, as re-plans do
         while True:
             called = time.perf_counter()
             warm.release_types(_types_left(job, decisions.plan, gone))
@@ -240,6 +261,7 @@ def _train(
                     start_if_none=resumed and stops == 0,
                     elastic=True,
                     floor=job.throughput_min or None,
+                    estimate=estimate,
                 )
                 if restart is not None:
                     restart.record(called, summary.extra["start"])

@@ -219,15 +219,21 @@ def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
 
 
 def with_table(
-    data: dict[str, Any], job: JobConfig, dim: int | None = None, gpu_rows: dict[str, int] | None = None
+    data: dict[str, Any],
+    job: JobConfig,
+    dim: int | None = None,
+    gpu_rows: dict[str, int] | None = None,
+    estimate: TableEstimate | None = None,
 ) -> dict[str, Any]:
     """A problem mapping given `job`'s table: ``ps.table`` (so the planner uses at least its
     shards_needed, and prices the GPU tier of each cuda type: the rows its memory holds, `gpu_rows` as
     the profile measured them where the type names no gpu_memory_gb, else those the mapping had, and
     the share of lookups it serves), and ``runtime.ps_hosting: actors`` when some type that can run the
     first layer cannot hold the whole table in its DataWorker (hosted shards would not fit there).
-    Unchanged when the job's dataset does not exist yet."""
-    estimate = estimate_table(job, dim)
+    Unchanged when the job's dataset does not exist yet. `estimate`: the run's table estimate (None:
+    estimated here)."""
+    if estimate is None:
+        estimate = estimate_table(job, dim)
     if estimate is None:
         return data
     before = (data.get("ps") or {}).get("table") or {}
@@ -236,8 +242,12 @@ def with_table(
     held = gpu_rows_of(job, dim, {**before.get("gpu_rows", {}), **(gpu_rows or {})})
     if held:
         section["gpu_rows"] = held
-        lookups = job.samples * sum(float(layer.get("sparse_rows_per_sample", 0.0)) for layer in data["layers"])
-        section["gpu_hit_rate"] = {name: gpu_hit_rate(job, rows, estimate.rows, lookups) for name, rows in held.items()}
+        lookups = job.samples * sum(
+            float(layer.get("sparse_rows_per_sample", 0.0)) for layer in data["layers"]
+        )
+        section["gpu_hit_rate"] = {
+            name: gpu_hit_rate(job, rows, estimate.rows, lookups) for name, rows in held.items()
+        }
     data.setdefault("ps", {})["table"] = section
     runtime = data.get("runtime")
     if runtime is not None and runtime.get("ps_hosting", "auto") == "auto":
@@ -270,11 +280,10 @@ def check_table_fits(problem: Any, file: str) -> None:
         )
 
 
-def check_job_table(job: JobConfig, file: str | None = None) -> None:
-    """The same refusal for `job` on its cluster, from its dataset's ``_meta.json`` alone: ``heterps run``
-    calls it before Ray starts or anything is profiled (a dataset not written yet is checked later,
-    on the problem)."""
-    estimate = estimate_table(job)
+def check_job_table(job: JobConfig, estimate: TableEstimate | None, file: str | None = None) -> None:
+    """The same refusal for `job` on its cluster, from its table `estimate` (its dataset's
+    ``_meta.json`` alone): ``heterps run`` calls it before Ray starts or anything is profiled (None: a
+    dataset not written yet, checked later, on the problem)."""
     if estimate is not None:
         table = PSTable.model_validate(table_section(job, estimate))
         ps_type = job.cluster.ps_resource
@@ -404,7 +413,9 @@ def gpu_rows_of(job: JobConfig, dim: int, measured: dict[str, int]) -> dict[str,
     return out
 
 
-HIT_RATE_SAMPLE_ROWS = 500_000  # training rows whose keys give the popularity a cache's hit rate is estimated from
+HIT_RATE_SAMPLE_ROWS = (
+    500_000  # training rows whose keys give the popularity a cache's hit rate is estimated from
+)
 
 
 def gpu_hit_rate(job: JobConfig, capacity: int, rows: int, lookups: float) -> float:

@@ -31,7 +31,7 @@ import pandas as pd
 import ray
 
 from heterps_ray.config import JobConfig, ResourceType
-from heterps_ray.costmodel.table_memory import gpu_table_setting, with_table
+from heterps_ray.costmodel.table_memory import TableEstimate, gpu_table_setting, with_table
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import ModelSpec, build_model
 from heterps_ray.profiling.fit import COLUMNS, FitResult, LayerInfo, fit_problem
@@ -168,18 +168,24 @@ def profile(
     settings: ProfileSettings | None = None,
     run_probe: ProbeRunner | None = None,
     hosts: Hosts | None = None,
+    estimate: TableEstimate | None = None,
 ) -> FitResult:
     """Profile `job`'s model on the live Ray cluster (already initialised) and fit a problem file.
     `run_probe` trains the runtime probes (heterps_ray.closedloop.probes.run_probe); it is needed
     unless ``settings.probe_steps`` is None. `hosts`: the processes to measure in (placement.py;
-    default: actors of the profile's own)."""
+    default: actors of the profile's own). `estimate`: the run's table estimate (None: estimated from
+    the job's dataset)."""
     settings = settings or ProfileSettings()
-    return fit_runs(job, [measure(job, build_model(job.model), settings, run_probe, hosts)], settings)
+    run = measure(job, build_model(job.model), settings, run_probe, hosts)
+    return fit_runs(job, [run], settings, estimate)
 
 
-def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) -> FitResult:
+def fit_runs(
+    job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings, estimate: TableEstimate | None = None
+) -> FitResult:
     """Fit one problem from one or more profiles of `job` (their measurements together: profiles
-    taken before and after something average the machine's speed over it)."""
+    taken before and after something average the machine's speed over it); the problem's table from
+    `estimate` (None: estimated from the job's dataset)."""
     spec = build_model(job.model)
     frames, offset = [], 0
     for run in runs:  # repeats numbered on across profiles (the fits read the first one as cold)
@@ -210,7 +216,9 @@ def fit_runs(job: JobConfig, runs: list[ProfileRun], settings: ProfileSettings) 
         execution=execution_of(job),
     )
     # ps.table: the shards the table's memory needs; the rows each cuda type's GPU memory holds
-    with_table(result.problem, job, spec.embedding_dim, _gpu_rows(pd.concat(frames, ignore_index=True)))
+    with_table(
+        result.problem, job, spec.embedding_dim, _gpu_rows(pd.concat(frames, ignore_index=True)), estimate
+    )
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     devices = sorted({f"{a['type']}: {a['device']} x{a['torch_threads']} threads" for a in runs[0].actors})
     notes = [

@@ -5,7 +5,7 @@ survivors to the replacements, and shuts everything down.
 The set holds no training logic: the chunk loop (loop.py), recovery (recovery.py) and checkpoints
 (snapshots.py) act through it. Example::
 
-    actors = ActorSet(job, model, stages, num_shards, train_files)
+    actors = ActorSet(job, model, stages, num_shards, train_files, estimate_table(job))
     placement = actors.start()
     ...
     actors.shutdown()
@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from heterps_ray.config import ClusterConfig, JobConfig, ResourceType
-from heterps_ray.costmodel.table_memory import TablePlace, estimate_table, hosted_fits, table_place
+from heterps_ray.costmodel.table_memory import TableEstimate, TablePlace, hosted_fits, table_place
 from heterps_ray.errors import ConfigError, DataError
 from heterps_ray.models import ModelSpec
 from heterps_ray.ps.shard import PSShard
@@ -58,15 +58,17 @@ def readers_of(rtype: ResourceType) -> int:
     return max(1, int(rtype.ray_resources.get("CPU", 1.0)) - rtype.torch_threads)
 
 
-def hosts_shards(job: JobConfig, stages: Sequence[Any], num_shards: int, dim: int | None = None) -> bool:
+def hosts_shards(
+    job: JobConfig, stages: Sequence[Any], num_shards: int, estimate: TableEstimate | None
+) -> bool:
     """Whether a plan with these stages (each with a ``type`` and ``replicas``) hosts its PS shards in
     DataWorker 0's process: one DataWorker and no replicated stage, with ``runtime.ps_hosting: auto`` (no
     PS call crosses a process, and the shards need no actors, nor nodes, of their own), and one actor
-    of stage 0's type holds the whole table (costmodel/table_memory.py; else the shards are actors).
-    `dim`: the model's embedding_dim (default: built from the job's model)."""
+    of stage 0's type holds the whole table of `estimate` (the run's, costmodel/table_memory.py; else
+    the shards are actors)."""
     if job.runtime.ps_hosting != "auto" or any(s.replicas != 1 for s in stages):
         return False
-    return hosted_fits(job, stages[0].type, num_shards, estimate_table(job, dim))
+    return hosted_fits(job, stages[0].type, num_shards, estimate)
 
 
 class ActorSet:
@@ -82,6 +84,7 @@ class ActorSet:
         stages: list[StageSpec],
         num_shards: int,
         files: list[Path],
+        estimate: TableEstimate | None,
         table: str | None = None,
     ):
         self.job, self.model, self.stages, self.num_shards = job, model, stages, num_shards
@@ -93,13 +96,13 @@ class ActorSet:
             )
         self.files = files
         self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
-        self.hosted = hosts_shards(job, stages, num_shards, model.embedding_dim)
+        self.hosted = hosts_shards(job, stages, num_shards, estimate)
         # where the rows live: stage 0's GPU memory (in front of the shards) or the shards alone, as the
         # plan's price has them (`table`; None: the runtime's rule, which is the price's)
         self.place: TablePlace = (
             TablePlace("ps", job.cluster.ps_resource, why="the plan keeps them there")
             if table == "ps"
-            else table_place(job, stages[0].type, self.hosted, estimate_table(job, model.embedding_dim), model.embedding_dim)
+            else table_place(job, stages[0].type, self.hosted, estimate, model.embedding_dim)
         )
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[ShardHandle] = []

@@ -28,7 +28,7 @@ import ray
 from heterps_ray.cluster import connect
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.plan import Plan
-from heterps_ray.costmodel.table_memory import check_plan_holds, estimate_table
+from heterps_ray.costmodel.table_memory import TableEstimate, check_plan_holds, estimate_table
 from heterps_ray.data.dataset import prepare_dataset
 from heterps_ray.devices import cluster_gpus
 from heterps_ray.errors import ConfigError, DataError, StorageError
@@ -111,6 +111,7 @@ def train(
     start_if_none: bool = False,
     evaluation: bool = True,
     first_chunk: int = CHUNK_STEPS,
+    estimate: TableEstimate | None = None,
 ) -> RunSummary:
     """Run `plan` for `job` on Ray and return its summary.
 
@@ -119,6 +120,8 @@ def train(
     `steps` (else ``job.runtime.train_steps``, else all epochs) counts batches over all DataWorkers.
     `evaluation`: False leaves out the eval split's AUC (a runtime probe times training only).
     `first_chunk`: batches per DataWorker in the warm-up chunk that the steady rate leaves out.
+    `estimate`: the job's table estimate, as ``heterps run`` computed it once for the whole run
+    (costmodel/table_memory.py; None: estimated here, from the job's dataset).
     `resume`: continue from the newest valid checkpoint in output_dir/checkpoints (a checkpoint of
     another plan with as many DataWorkers works too, in both modes: dense weights and optimizer state
     go by layer name, wherever the old or the new plan keeps them, and PS rows are re-sharded).
@@ -135,14 +138,18 @@ def train(
     stages = resolve_stages(plan, model, job, plan_file)
     num_shards = job.runtime.ps_shards or int(plan.ps_shards)
     check_capacity(stages, num_shards, job.cluster, plan_file)
-    if not hosts_shards(job, stages, num_shards, model.embedding_dim):  # shard actors: each holds its share
-        check_plan_holds(job, estimate_table(job, model.embedding_dim), num_shards, plan_file)
+    if estimate is None:
+        estimate = estimate_table(job, model.embedding_dim)
+    if not hosts_shards(job, stages, num_shards, estimate):  # shard actors: each holds its share
+        check_plan_holds(job, estimate, num_shards, plan_file)
     output_dir = Path(job.output_dir)
     plan_dict = plan.to_dict()
     if resume and not save:
         raise ConfigError(None, "resume", "save=True (a resumed run writes to its output_dir)", resume)
     # the data is checked before --overwrite removes a previous run: a failing run replaces nothing
     train_files, eval_files = _dataset_files(job)
+    if estimate is None:  # the dataset was made just now (data.synth_rows)
+        estimate = estimate_table(job, model.embedding_dim)
     start: dict[str, Any] = {}
     if save:
         remove_leftovers(output_dir)
@@ -155,7 +162,7 @@ def train(
         _check_plan_types(stages, job, plan_file)
     else:
         owns_ray = connect(job.cluster, address)
-    actors = ActorSet(job, model, stages, num_shards, train_files, plan.table_place)
+    actors = ActorSet(job, model, stages, num_shards, train_files, estimate, plan.table_place)
     store = StateStore(actors)
     recovery = Recovery(actors, store)
     tracker: RunTracker | None = None  # TensorBoard events in output_dir/tensorboard (and MLflow)
