@@ -10,7 +10,8 @@ setup(
             ["heterps_ray/ps/_rows.c"],
             # -ffp-contract=off: no fused multiply-add, so Adagrad and the initial rows match numpy bit
             # for bit (the tests and the reference trainer check exact equality)
-            extra_compile_args=["-O2", "-ffp-contract=off", "-std=c11"],
+            extra_compile_args=["-O2", "-ffp-contract=off", "-std=c11", "-pthread"],
+            extra_link_args=["-pthread"],  # the disk tier's reads in flight (pread_records)
         )
     ]
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from heterps_ray.ps._rows import pread_records
 
 from heterps_ray.config import TableConfig
 from heterps_ray.errors import ConfigError
@@ -111,6 +112,33 @@ def test_compaction_keeps_the_live_rows_and_drops_the_dead_records(tmp_path):
     pos, live = rows.find(np.arange(1_000))
     assert not live[:500].any() and live[500:].all()
     np.testing.assert_array_equal(rows.read(pos[500:])["w"][:, 0], np.arange(500, 1_000))
+
+
+def test_reads_in_flight_hand_back_each_record_in_the_order_asked(tmp_path):
+    """A read splits its records over threads in the file's order; what comes back is in the caller's
+    order, equal to one pread at a time, and a record past the file's end is an error named by offset."""
+    rows = DiskRows(tmp_path, record_dtype(DIM, DIM))
+    records = np.zeros(5_000, dtype=rows.dtype)
+    records["key"] = np.arange(5_000) * 7
+    records["w"] = np.arange(5_000)[:, None] * 0.5
+    rows.write(records)
+    asked = np.random.default_rng(0).permutation(5_000)[:3_000] * 7
+    pos, live = rows.find(asked)
+    assert live.all()
+    got = rows.read(pos)
+    np.testing.assert_array_equal(got["key"], asked)
+    np.testing.assert_array_equal(got["w"][:, 0], asked / 7 * 0.5)
+    offsets = rows.slots[pos].astype(np.int64) * rows.dtype.itemsize
+    one, many = (np.empty(len(pos), dtype=rows.dtype) for _ in range(2))
+    pread_records(rows._fd, offsets, one.view(np.uint8), 1)
+    pread_records(rows._fd, offsets, many.view(np.uint8), 64)
+    assert one.tobytes() == many.tobytes() == got.tobytes()
+    past = offsets.copy()
+    past[2_500] = rows.records * rows.dtype.itemsize  # the end of the file: a short read
+    with pytest.raises(OSError, match=f"short read of record 2500 at offset {past[2_500]}"):
+        pread_records(rows._fd, past, many.view(np.uint8), 64)
+    with pytest.raises(ValueError, match="depth: expected at least 1"):
+        pread_records(rows._fd, offsets, many.view(np.uint8), 0)
 
 
 @pytest.mark.parametrize("rebuilt_on_disk", [True, False], ids=["into-disk-tier", "into-ram"])

@@ -74,6 +74,13 @@ class TableConfig(BaseModel):
     ram_mb: float = Field(
         0, ge=0, description="with disk_dir: memory of each PS shard's rows in RAM (the hot set), the rest on disk"
     )
+    disk_reads_in_flight: int = Field(
+        32,
+        ge=1,
+        le=256,
+        description="with disk_dir: rows a shard reads from disk at once, each on a thread of its own (the "
+        "device serves many reads at a time; 1: one after another)",
+    )
 
     @model_validator(mode="after")
     def _check_disk_tier(self) -> TableConfig:

@@ -3,7 +3,8 @@
 A :class:`~heterps_ray.ps.table.SparseTable` with a disk tier keeps at most ``ram_rows`` rows in its
 compiled row store (the RAM tier, the hot rows); the rest are records in one file on local disk,
 with their keys' index in memory (sorted arrays: 8 B key + 4 B slot + 1 B flag = 13 B a row on
-disk). Before a call is served, its keys that are on disk are read back into RAM (promoted), and,
+disk). Before a call is served, its keys that are on disk are read back into RAM (promoted: in one
+read, in the file's order, ``table.disk_reads_in_flight`` records at a time), and,
 where RAM would pass its budget, the rows seen least recently (or least often, ``evict="lfu"``)
 leave for disk first (spilled), never a row the call itself uses. A row leaves and comes back as
 its exact bytes (key, pull count, last seen, weights, optimizer state), so training with a disk tier
@@ -55,6 +56,10 @@ _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter (malloc.h)
 # Compact when the file holds this many times the live records (and at least this many records).
 _COMPACT_RATIO = 3.0
 _COMPACT_MIN_RECORDS = 1 << 16
+# Reads a compaction or a restore keeps in flight (threads of pread in _rows.c; a table's own reads:
+# table.disk_reads_in_flight): a read from the device waits on it, not on the CPU, and the device serves
+# many at once (BENCHMARKS.md "The disk tier": rows/s by reads in flight).
+READS_IN_FLIGHT = 32
 
 
 def record_dtype(dim: int, acc_width: int) -> np.dtype:
@@ -66,11 +71,11 @@ def record_dtype(dim: int, acc_width: int) -> np.dtype:
 class DiskRows:
     """Records of fixed size in an append-only file under `directory`, and the in-memory index of the
     keys whose live row is there. A new object starts empty (an old file there is unlinked, never
-    truncated: a checkpoint may hold a link to it)."""
+    truncated: a checkpoint may hold a link to it). `reads`: records read from the file at once."""
 
-    def __init__(self, directory: str | Path, dtype: np.dtype):
+    def __init__(self, directory: str | Path, dtype: np.dtype, reads: int = READS_IN_FLIGHT):
         self.directory = Path(directory)
-        self.dtype = dtype
+        self.dtype, self.reads = dtype, reads
         self.directory.mkdir(parents=True, exist_ok=True)
         for old in self.directory.glob(_FILE.format(generation="*")):
             old.unlink()
@@ -101,6 +106,9 @@ class DiskRows:
             os.close(self._fd)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(self.path, flags, 0o644)
+        # rows are read where their keys take them: the kernel's read-ahead would read pages no one asked
+        # for, and take the device's reads from those that were (cold reads 1.3x quicker at 32 in flight)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(self._fd).st_size
         # appended at the end only; a torn record left by a crash is skipped, never overwritten
         self._end = -(-size // self.dtype.itemsize) * self.dtype.itemsize
@@ -122,10 +130,14 @@ class DiskRows:
         return pos, (self.keys[pos] == keys) & self.live[pos]
 
     def read(self, pos: np.ndarray) -> np.ndarray:
-        """The records at index positions `pos` (structured, ``dtype``), one pread each."""
-        out = np.empty(len(pos), dtype=self.dtype)
+        """The records at index positions `pos` (structured, ``dtype``), in that order: read in the
+        file's order, one pread each, `reads` at once."""
         offsets = self.slots[pos].astype(np.int64) * self.dtype.itemsize
-        pread_records(self._fd, offsets, out.view(np.uint8))
+        order = np.argsort(offsets, kind="stable")
+        in_file_order = np.empty(len(pos), dtype=self.dtype)
+        pread_records(self._fd, offsets[order], in_file_order.view(np.uint8), self.reads)
+        out = np.empty_like(in_file_order)
+        out[order] = in_file_order
         return out
 
     def forget(self, pos: np.ndarray) -> None:
@@ -206,7 +218,7 @@ class DiskRows:
                 part = live[i : i + chunk]
                 out = np.empty(len(part), dtype=self.dtype)
                 offsets = self.slots[part].astype(np.int64) * self.dtype.itemsize
-                pread_records(old_fd, offsets, out.view(np.uint8))
+                pread_records(old_fd, offsets, out.view(np.uint8), self.reads)
                 os.pwrite(self._fd, out.view(np.uint8).data, self._end)
                 self._end += out.nbytes
             keys = self.keys[live]
@@ -243,7 +255,14 @@ class DiskTier:
     finds all its rows in RAM."""
 
     def __init__(
-        self, rows: Any, directory: str | Path, ram_rows: int, dim: int, acc_width: int, row_cost: float
+        self,
+        rows: Any,
+        directory: str | Path,
+        ram_rows: int,
+        dim: int,
+        acc_width: int,
+        row_cost: float,
+        reads: int = READS_IN_FLIGHT,
     ):
         if ram_rows < 1:
             raise ValueError(f"a disk tier needs a RAM budget of at least 1 row (got {ram_rows})")
@@ -253,7 +272,7 @@ class DiskTier:
         self._index_rows_per_disk_row = INDEX_BYTES_PEAK / row_cost
         self.index_outgrew = False  # True once the index left the RAM tier only its floor
         _return_freed_memory()
-        self.disk = DiskRows(directory, record_dtype(dim, acc_width))
+        self.disk = DiskRows(directory, record_dtype(dim, acc_width), reads)
         self.stats = TierStats()  # misses: rows read back from disk (also fetched)
         # spill 1/16 below the budget at a time, as the row cap does: the scan for the least recent
         # rows then runs once per ram_rows/16 new rows
@@ -397,7 +416,8 @@ def read_linked(npz: NpzReader, prefix: str, dtype: np.dtype, chunk: int) -> Ite
     try:
         for i in range(0, len(slots), chunk):
             out = np.empty(len(slots[i : i + chunk]), dtype=dtype)
-            pread_records(fd, slots[i : i + chunk].astype(np.int64) * dtype.itemsize, out.view(np.uint8))
+            offsets = slots[i : i + chunk].astype(np.int64) * dtype.itemsize
+            pread_records(fd, offsets, out.view(np.uint8), READS_IN_FLIGHT)
             yield out
     finally:
         os.close(fd)

@@ -48,6 +48,7 @@ class TableSpec:
     evict: str = "lru"  # or "lfu"
     ram_rows: int = 0  # with disk_dir: rows per shard in RAM, the rest on local disk (ps/disk_tier.py)
     disk_dir: str = ""  # the disk tier's directory on each PS node (each shard and table a folder in it)
+    disk_reads_in_flight: int = 32  # rows read from disk at once (threads of pread)
 
     def for_shard(self, index: int, num_shards: int, table: str) -> TableSpec:
         """This spec as one shard's table: its disk tier in a folder of its own."""
@@ -78,4 +79,5 @@ def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
         evict=settings.evict,
         ram_rows=ram_rows,
         disk_dir=settings.disk_dir,
+        disk_reads_in_flight=settings.disk_reads_in_flight,
     )

@@ -136,6 +136,7 @@ class SparseTable(TableSnapshots):
         evict: str = "lru",
         ram_rows: int = 0,
         disk_dir: str = "",
+        disk_reads_in_flight: int = 32,
     ):
         if dim < 1:
             raise ValueError(f"dim must be >= 1 (got {dim})")
@@ -173,7 +174,9 @@ class SparseTable(TableSnapshots):
         self._disk = None
         if disk_dir:
             cost = stored_bytes_per_row(dim, optimizer, tracked=True)
-            self._disk = DiskTier(self._rows, disk_dir, ram_rows, dim, self._acc_width, row_cost=cost)
+            self._disk = DiskTier(
+                self._rows, disk_dir, ram_rows, dim, self._acc_width, row_cost=cost, reads=disk_reads_in_flight
+            )
         # the disk file's records up to this one are in the last durable snapshot (generation, records)
         self._disk_mark = self._disk_taken = (0, 0)
 
