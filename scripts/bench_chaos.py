@@ -1,6 +1,7 @@
 """Chaos benchmark: long ctr_dnn runs on synthetic data with many faults at seeded random times, checked
-against undisturbed runs of the same job. Grows scripts/bench_faults.py (one fault per run) into the
-"Chaos run" of BENCHMARKS.md "Reliability". Three parts, each runnable alone:
+against undisturbed runs of the same job. Grows bench_faults.py (one fault per run; removed, `git show
+003cffa:scripts/bench_faults.py`) into the "Chaos run" of BENCHMARKS.md "Reliability". Three parts, each
+runnable alone:
 
     .venv/bin/python scripts/bench_chaos.py --part actors --mode sync  [--minutes 10 --runs 2 --seed 0]
     .venv/bin/python scripts/bench_chaos.py --part actors --mode async [--minutes 10 --runs 2 --seed 0]
