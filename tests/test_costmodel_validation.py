@@ -1,4 +1,4 @@
-"""scripts/validate_costmodel.py --measured: saved real runs are predicted again from a problem file,
+"""benchmarks/validate_costmodel.py --measured: saved real runs are predicted again from a problem file,
 without Ray, so the cost model can be iterated on offline."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SMALL, BIG = "cpu_small", "cpu_big"
 
 
 def _run(measured: Path, problem: Path | None = None) -> str:
-    cmd = [sys.executable, str(REPO / "scripts" / "validate_costmodel.py"), "--measured", str(measured)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "validate_costmodel.py"), "--measured", str(measured)]
     if problem is not None:
         cmd += ["--problem", str(problem)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -14,18 +14,18 @@ BENCHMARKS.md "The GPU tier"). Medians and ratios are reported; absolute rates o
 
 On a GPU machine (prepared with ``bash ../shared/gpu/prepare.sh``; on it ``source .whl/install.sh``)::
 
-    python3 scripts/bench_gpu.py --workdir /tmp/bench_gpu --out bench_gpu.json
+    python3 benchmarks/bench_gpu.py --workdir /tmp/bench_gpu --out bench_gpu.json
 
 On the CPU (CI), tiny, with the cuda type on the CPU under the explicit test flag::
 
-    HETERPS_CUDA_AS_CPU=1 python scripts/bench_gpu.py --tiny --workdir /tmp/bench_gpu_tiny
+    HETERPS_CUDA_AS_CPU=1 python benchmarks/bench_gpu.py --tiny --workdir /tmp/bench_gpu_tiny
 
 The CPU stand-in for the GPU gap (``--proxy``, issue 49): the same comparison on the CPU, the cuda type
 computing there under the test flag, through the device tier's own code. A table-bound job (26 slots x
 dim 16, dense 64-32, 450k Criteo-shaped rows): heterps' one-stage plan with its table in the device tier
 against the plain loop on the same device, alternating, at batch 2048 and 8192::
 
-    ../shared/bench/quiet.sh && HETERPS_CUDA_AS_CPU=1 python scripts/bench_gpu.py --proxy --workdir /tmp/bench_proxy
+    ../shared/bench/quiet.sh && HETERPS_CUDA_AS_CPU=1 python benchmarks/bench_gpu.py --proxy --workdir /tmp/bench_proxy
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ distinct keys up on the device (the open-addressing index, and a sorted copy of 
 ``torch.searchsorted``, what TorchRec's managed collisions keep), with the index's probe rounds.
 
     heterps data synth --rows 4000000 --shape criteo-kaggle --seed 0 -o /tmp/ck4m
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_device_index.py --data /tmp/ck4m --out /tmp/index.json
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_device_index.py --data /tmp/ck4m --out /tmp/index.json
 """
 
 from __future__ import annotations

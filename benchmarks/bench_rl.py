@@ -1,8 +1,8 @@
 """Benchmark the RL scheduler's modes against the exact optimum on generated (unseen) problems.
 
-    python scripts/bench_rl.py --problems 50 --modes zero-shot                   # the pretrained policy
-    python scripts/bench_rl.py --problems 10 --modes finetune,train --budget-s 60 --baselines greedy,genetic
-    python scripts/bench_rl.py --held-out --exact-time-limit-s 30 --exact-cache benchmarks/rl_exact_cache_held_out.json
+    python benchmarks/bench_rl.py --problems 50 --modes zero-shot                   # the pretrained policy
+    python benchmarks/bench_rl.py --problems 10 --modes finetune,train --budget-s 60 --baselines greedy,genetic
+    python benchmarks/bench_rl.py --held-out --exact-time-limit-s 30 --exact-cache benchmarks/rl_exact_cache_held_out.json
 
 Modes: `zero-shot` (the shipped pretrained policy, no training), `finetune` (that policy trained
 further on the problem for --budget-s), `train` (a fresh policy trained on the problem for
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         print(_merged_table(args.table))
         return 0
-    command = "python scripts/bench_rl.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench_rl.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     import ray
     import torch

@@ -5,7 +5,7 @@ Every minute it samples each process's RSS (the driver, Ray's daemons, each acto
 the checkpoint chain; it writes one JSON and one PNG (RSS, rate and chain over time, the faults marked).
 
     .venv/bin/heterps data synth --rows 4000000 --shape criteo-kaggle --seed 0 -o /tmp/ck4m
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_soak.py --data /tmp/ck4m --minutes 60 \\
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_soak.py --data /tmp/ck4m --minutes 60 \\
         --fault-every-min 5 --out /tmp/soak
 
 `bench_soak.py --out /tmp/soak report` measures the faults and judges again from a finished hour's

@@ -15,8 +15,8 @@ Two parts, both on this machine, quiet (run it behind ../shared/bench/quiet.sh):
    (each delta holds the rows touched since the one before), each as a checkpoint writes it (npz, SHA-256,
    fsync), timed and sized; then the full snapshot restored alone, and the chain full + 1% + 10% restored.
 
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_checkpoints.py --seconds 60 --rounds 2
-    .venv/bin/python scripts/bench_checkpoints.py --skip-train --table-rows 0 --incremental-rows 10000000 \
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_checkpoints.py --seconds 60 --rounds 2
+    .venv/bin/python benchmarks/bench_checkpoints.py --skip-train --table-rows 0 --incremental-rows 10000000 \
         --output benchmarks/incremental_checkpoints.json
 
 Results: benchmarks/checkpoints.json; the tables in BENCHMARKS.md "Reliability" and "Incremental checkpoints".

@@ -21,8 +21,8 @@ Two ways to meet the re-plan:
   reconfigured and started (warm.counts()).
 
     .venv/bin/heterps profile configs/jobs/quickstart.yaml -o problem.yaml   # once
-    .venv/bin/python scripts/bench_replan.py --problem problem.yaml                  # ~1 min here
-    .venv/bin/python scripts/bench_replan.py --problem problem.yaml --types-up 25    # ~1.5 min here
+    .venv/bin/python benchmarks/bench_replan.py --problem problem.yaml                  # ~1 min here
+    .venv/bin/python benchmarks/bench_replan.py --problem problem.yaml --types-up 25    # ~1.5 min here
 
 Prints one line per re-plan and the load average beside it.
 """

@@ -13,8 +13,8 @@ empty pull (interpreter, imports, an empty table) is compared with the estimate:
 touched (the pull's arguments and results, RssShmem): that memory is the node's object store, which
 the table budget reserves apart (config.OBJECT_STORE_GB), and is reported beside it.
 
-    .venv/bin/python scripts/bench_table_memory.py                       # 2M and 5M rows, dim 16
-    .venv/bin/python scripts/bench_table_memory.py --rows 2e6 5e6 10e6 --result /tmp/table_memory.json
+    .venv/bin/python benchmarks/bench_table_memory.py                       # 2M and 5M rows, dim 16
+    .venv/bin/python benchmarks/bench_table_memory.py --rows 2e6 5e6 10e6 --result /tmp/table_memory.json
 """
 
 from __future__ import annotations

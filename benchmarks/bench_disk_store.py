@@ -9,7 +9,7 @@
    ``posix_fadvise(DONTNEED)``), and SQLite (the embedded store in the standard library: batched
    ``SELECT ... WHERE key IN``, ``INSERT OR REPLACE``).
 
-    .venv/bin/python scripts/bench_disk_store.py --data /tmp/ck1m --rows 2000000
+    .venv/bin/python benchmarks/bench_disk_store.py --data /tmp/ck1m --rows 2000000
 """
 
 from __future__ import annotations

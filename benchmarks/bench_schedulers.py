@@ -4,8 +4,8 @@ For each scheduler: cost ratio to exact (median, worst), feasibility rate (on pr
 feasible plan exists), seconds. And the best heterogeneous plan (exact) against the best
 single-type plan: cost at the same floor, and the highest throughput each reaches.
 
-    python scripts/bench_schedulers.py --problems 24 --markdown BENCHMARKS.md
-    python scripts/bench_schedulers.py --schedulers exact,greedy,genetic,random,single,rl --rl-budget-s 60
+    python benchmarks/bench_schedulers.py --problems 24 --markdown BENCHMARKS.md
+    python benchmarks/bench_schedulers.py --schedulers exact,greedy,genetic,random,single,rl --rl-budget-s 60
 
 Results: a markdown section on stdout (and, with --markdown, in place of the file's
 "## Schedulers" section) and every row as JSON (--output).
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python scripts/bench_schedulers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/bench_schedulers.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.schedulers:
         names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
     else:

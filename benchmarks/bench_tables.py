@@ -17,8 +17,8 @@ keys on the full table. It reports
 
 Speed figures need a quiet machine (``../shared/bench/quiet.sh`` first); memory figures do not.
 
-    .venv/bin/python scripts/bench_tables.py                          # 1M, 10M, 30M rows x dim 9, 16
-    .venv/bin/python scripts/bench_tables.py --rows 1e6 10e6 --dims 16 --result /tmp/tables.json
+    .venv/bin/python benchmarks/bench_tables.py                          # 1M, 10M, 30M rows x dim 9, 16
+    .venv/bin/python benchmarks/bench_tables.py --rows 1e6 10e6 --dims 16 --result /tmp/tables.json
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ comparison. Reports rows held at the end, keys waiting for admission, the table'
 index and waiting keys), eval AUC and logloss, and rows and bytes saved against everything off.
 Results do not depend on the machine's load; the seconds do.
 
-    .venv/bin/python scripts/bench_admission.py --rows 2000000
-    .venv/bin/python scripts/bench_admission.py --rows 300000 --settings off admit2 rowwise
-    .venv/bin/python scripts/bench_admission.py --rows 2000000 --data-seed 1 --settings off admit2
+    .venv/bin/python benchmarks/bench_admission.py --rows 2000000
+    .venv/bin/python benchmarks/bench_admission.py --rows 300000 --settings off admit2 rowwise
+    .venv/bin/python benchmarks/bench_admission.py --rows 2000000 --data-seed 1 --settings off admit2
 """
 
 from __future__ import annotations

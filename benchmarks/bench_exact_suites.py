@@ -1,9 +1,9 @@
 """Time `exact` on every problem of issue 40's suites, optionally side by side with another checkout of
 the project (alternating per problem, the order flipped every problem).
 
-    python scripts/bench_exact_suites.py --output runs/exact_suites.jsonl
+    python benchmarks/bench_exact_suites.py --output runs/exact_suites.jsonl
     git worktree add /tmp/exact-before a7226fb
-    python scripts/bench_exact_suites.py --against /tmp/exact-before --output runs/exact_ab.jsonl
+    python benchmarks/bench_exact_suites.py --against /tmp/exact-before --output runs/exact_ab.jsonl
 
 The suites: the GPU cloud (`generate_problem(seed, (20, 120), (3, 8), catalogue="gpu_cloud")`, seeds
 0-23), the wide suite on the true model (catalogue "wide", seeds 0-39, `with_runtime_section`) and on

@@ -4,7 +4,7 @@
 # bench_gpu.py (the plain loop beside heterps' best plan, alternating, at batch 2048 and 8192). Writes
 # into OUTDIR: gpu_check.json/.log, bench_gpu.json/.log, machine.txt, and the profiled run's problem.yaml
 # and reports. bench_gpu.py's table says where a batch went (phases, every thread's CPU, ops and waits).
-#   source .whl/install.sh && bash scripts/gpu_figures.sh "$OUT"
+#   source .whl/install.sh && bash benchmarks/gpu_figures.sh "$OUT"
 # Keep every run's files: copy OUTDIR to benchmarks/gpu/YYYY-MM-DD-<card>/ and commit them, so that a figure
 # in BENCHMARKS.md can be checked against what the machine printed.
 set -uo pipefail
@@ -16,7 +16,7 @@ echo "cpus $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/machine.txt
 timeout "${CHECK_TIMEOUT_S:-240}" python3 scripts/gpu_check.py --workdir /tmp/gpu_check --out "$out/gpu_check.json" \
   > "$out/gpu_check.log" 2>&1
 echo "gpu_check exit $?" | tee -a "$out/machine.txt"
-timeout "${BENCH_TIMEOUT_S:-420}" python3 scripts/bench_gpu.py --workdir /tmp/bench_gpu --out "$out/bench_gpu.json" "${@:2}" \
+timeout "${BENCH_TIMEOUT_S:-420}" python3 benchmarks/bench_gpu.py --workdir /tmp/bench_gpu --out "$out/bench_gpu.json" "${@:2}" \
   2>&1 | grep -v "Token authentication" > "$out/bench_gpu.log"
 echo "bench_gpu exit ${PIPESTATUS[0]}" | tee -a "$out/machine.txt"
 run=$(ls -d /tmp/bench_gpu/run-*/round0 2>/dev/null | head -1)

@@ -3,7 +3,7 @@ CTR-DNN, 200k synthetic rows, the rl scheduler, a full profile) at floors of 0.3
 one-process reference trainer's throughput on this machine, and at 3x (which no plan on 2 cores
 reaches): each run must meet its floor (achieved >= 0.9 x floor) or stop with exit 3.
 
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_floors.py     # ~8 min here
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_floors.py     # ~8 min here
 
 The reference is measured in this run, before and after the jobs (median of the two). Each job is a
 fresh `heterps run` process (its own embedded Ray, as a user runs it). Writes benchmarks/floors.json

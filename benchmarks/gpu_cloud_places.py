@@ -3,8 +3,8 @@ its table (rows, dim, the GPU kinds that hold it whole), its hosting, exact's se
 feasible plan, the table's place (gpu, gpu_cache, ps) as the cost model prices it, stage 0's type, the
 layers on each type and the shards.
 
-    python scripts/gpu_cloud_places.py --seeds 0 24 --layers 20 120 --types 3 8 --time-limit-s 30
-    python scripts/gpu_cloud_places.py --floor-fraction 0.01 0.01 --infeasible-share 0   # easy floors
+    python benchmarks/gpu_cloud_places.py --seeds 0 24 --layers 20 120 --types 3 8 --time-limit-s 30
+    python benchmarks/gpu_cloud_places.py --floor-fraction 0.01 0.01 --infeasible-share 0   # easy floors
 
 One JSON row per problem on stdout; a count of the places at the end.
 """

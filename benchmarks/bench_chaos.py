@@ -3,11 +3,11 @@ against undisturbed runs of the same job. Grows bench_faults.py (one fault per r
 003cffa:scripts/bench_faults.py`) into the "Chaos run" of BENCHMARKS.md "Reliability". Three parts, each
 runnable alone:
 
-    .venv/bin/python scripts/bench_chaos.py --part actors --mode sync  [--minutes 10 --runs 2 --seed 0]
-    .venv/bin/python scripts/bench_chaos.py --part actors --mode async [--minutes 10 --runs 2 --seed 0]
-    .venv/bin/python scripts/bench_chaos.py --part driver [--seed 0]
-    .venv/bin/python scripts/bench_chaos.py --part nodes  [--seed 0]
-    .venv/bin/python scripts/bench_chaos.py --part report       # the tables of what benchmarks/chaos.json holds
+    .venv/bin/python benchmarks/bench_chaos.py --part actors --mode sync  [--minutes 10 --runs 2 --seed 0]
+    .venv/bin/python benchmarks/bench_chaos.py --part actors --mode async [--minutes 10 --runs 2 --seed 0]
+    .venv/bin/python benchmarks/bench_chaos.py --part driver [--seed 0]
+    .venv/bin/python benchmarks/bench_chaos.py --part nodes  [--seed 0]
+    .venv/bin/python benchmarks/bench_chaos.py --part report       # the tables of what benchmarks/chaos.json holds
 
 actors: an embedded local Ray; ctr_dnn (embedding 8, hidden 64-32), 3 stages, 2 PS shards as actors
 (ps_hosting "actors"); per mode `--runs` faulted runs of the same job, `--minutes` of training in all

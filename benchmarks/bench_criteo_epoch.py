@@ -10,10 +10,10 @@ of the run (the driver and everything it started: Ray's processes and the actors
 second with psutil.
 
     heterps data synth --rows 4000000 --shape criteo-kaggle --seed 0 -o /tmp/ck4m
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_criteo_epoch.py --data /tmp/ck4m \\
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_criteo_epoch.py --data /tmp/ck4m \\
         --settings admit2 --reference --rounds 2
     heterps data synth --rows 45840617 --shape criteo-kaggle --seed 0 -o /tmp/ck45m
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_criteo_epoch.py --data /tmp/ck45m \\
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_criteo_epoch.py --data /tmp/ck45m \\
         --settings off admit2 --table-memory-gb 8
 """
 

@@ -12,7 +12,7 @@ DONTNEED`` from this process): misses then read the device, as on a node whose f
 than the file.
 
     heterps data synth --rows 1000000 --shape criteo-kaggle --seed 0 -o /tmp/ck1m
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_disk_tier.py --data /tmp/ck1m --rounds 2 --cold
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_disk_tier.py --data /tmp/ck1m --rounds 2 --cold
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 for several plans compare the throughput predicted by the analytic model (DESIGN.md §3) and by the
 pipeline simulator with the throughput the runtime measures (heterps_ray.runtime.driver.train).
 
-    .venv/bin/python scripts/validate_costmodel.py                 # profile + 5 plans, ~1.5 min here
-    .venv/bin/python scripts/validate_costmodel.py --bracket       # + a profile after the plans, ~2 min
-    .venv/bin/python scripts/validate_costmodel.py --problem runs/validate_costmodel/problem.yaml
-    .venv/bin/python scripts/validate_costmodel.py --profile-each   # re-profile before each plan
+    .venv/bin/python benchmarks/validate_costmodel.py                 # profile + 5 plans, ~1.5 min here
+    .venv/bin/python benchmarks/validate_costmodel.py --bracket       # + a profile after the plans, ~2 min
+    .venv/bin/python benchmarks/validate_costmodel.py --problem runs/validate_costmodel/problem.yaml
+    .venv/bin/python benchmarks/validate_costmodel.py --profile-each   # re-profile before each plan
 
 Writes the problem file (+ raw measurements), results.json and table.md under --output-dir and
 prints the table (the "## Cost model validation" section of BENCHMARKS.md comes from it).

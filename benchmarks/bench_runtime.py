@@ -7,12 +7,12 @@ Criteo-like rows whose 26 slots each draw from 1M distinct values. The DDP basel
 tables of 1M rows as one `nn.Embedding(26M, 9, sparse=True)` (slot offsets, keys mod 1M) with
 sparse Adagrad, dense Adam; the reference and the pipeline create rows lazily on first pull.
 
-    ../shared/bench/quiet.sh && .venv/bin/python scripts/bench_runtime.py --rows 200000 --steps 200 --rounds 2
+    ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_runtime.py --rows 200000 --steps 200 --rounds 2
 
 Windows of a few hundred batches last 1-2 s, and on this host such a window moves by more than 10%; for
 the plain-loop ratio take 1,200-batch windows (BENCHMARKS.md, issue 41):
 
-    .venv/bin/python scripts/bench_runtime.py --rows 1000000 --steps 1200 --warmup 150 --rounds 3 \
+    .venv/bin/python benchmarks/bench_runtime.py --rows 1000000 --steps 1200 --warmup 150 --rounds 3 \
         --only reference sync:one_stage_big --data /tmp/br1m/data
 
 Pipeline systems are named `<mode>:<plan file in configs/plans>`, e.g. `sync:one_stage_big`.
