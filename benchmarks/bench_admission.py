@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--data", type=Path, default=None, help="dataset dir (default: synthesised)")
     parser.add_argument(
-        "--result", type=Path, default=None, help="JSON (default: benchmarks/admission_*.json)"
+        "--result", type=Path, default=None, help="JSON (default: benchmarks/bench_admission/admission_*.json)"
     )
     args = parser.parse_args()
     data = args.data or REPO / "runs" / "bench_admission" / f"criteo-kaggle-{args.rows}-seed{args.data_seed}"
@@ -91,7 +91,9 @@ def main() -> None:
         synthesize(
             data, args.rows, seed=args.data_seed, spec=SynthSpec(**SHAPES["criteo-kaggle"]), overwrite=True
         )
-    result = args.result or REPO / "benchmarks" / f"admission_{args.rows}_seed{args.data_seed}.json"
+    result = args.result or (
+        REPO / "benchmarks" / "bench_admission" / f"admission_{args.rows}_seed{args.data_seed}.json"
+    )
     results: list[dict[str, Any]] = []
     print(
         f"{'setting':>15} {'rows':>10} {'waiting':>10} {'saved':>6} {'MiB':>7} {'MiB sv':>6} "

@@ -7,7 +7,7 @@ runnable alone:
     .venv/bin/python benchmarks/bench_chaos.py --part actors --mode async [--minutes 10 --runs 2 --seed 0]
     .venv/bin/python benchmarks/bench_chaos.py --part driver [--seed 0]
     .venv/bin/python benchmarks/bench_chaos.py --part nodes  [--seed 0]
-    .venv/bin/python benchmarks/bench_chaos.py --part report       # the tables of what benchmarks/chaos.json holds
+    .venv/bin/python benchmarks/bench_chaos.py --part report       # the tables of what benchmarks/bench_chaos/chaos.json holds
 
 actors: an embedded local Ray; ctr_dnn (embedding 8, hidden 64-32), 3 stages, 2 PS shards as actors
 (ps_hosting "actors"); per mode `--runs` faulted runs of the same job, `--minutes` of training in all
@@ -32,7 +32,7 @@ checkpoint the node is killed (a node leaving: re-plan onto cpu_small), after th
 with cpu_big joins (re-plan back); compared with an undisturbed run on the same cluster. One
 DataWorker in every plan, as sync resume requires.
 
-Every part merges its figures into benchmarks/chaos.json (--results) and prints Markdown tables.
+Every part merges its figures into benchmarks/bench_chaos/chaos.json (--results) and prints Markdown tables.
 Times are wall seconds on whatever machine it runs on.
 """
 
@@ -917,7 +917,7 @@ def main() -> None:
     parser.add_argument("--driver-kills", type=int, default=2)
     parser.add_argument("--nodes-steps", type=int, default=3000)  # long enough that the join lands before the end
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_chaos")
-    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "chaos.json")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "bench_chaos" / "chaos.json")
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

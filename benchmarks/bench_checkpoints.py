@@ -17,9 +17,10 @@ Two parts, both on this machine, quiet (run it behind ../shared/bench/quiet.sh):
 
     ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_checkpoints.py --seconds 60 --rounds 2
     .venv/bin/python benchmarks/bench_checkpoints.py --skip-train --table-rows 0 --incremental-rows 10000000 \
-        --output benchmarks/incremental_checkpoints.json
+        --output benchmarks/bench_checkpoints/incremental_checkpoints.json
 
-Results: benchmarks/checkpoints.json; the tables in BENCHMARKS.md "Reliability" and "Incremental checkpoints".
+Results: benchmarks/bench_checkpoints/checkpoints.json; the tables in BENCHMARKS.md "Reliability" and
+"Incremental checkpoints".
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def main() -> None:
     parser.add_argument(
         "--incremental-shares", default="0.01,0.10", help="rows touched before each delta (a chain)"
     )
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "checkpoints.json")
+    parser.add_argument(
+        "--output", type=Path, default=REPO / "benchmarks" / "bench_checkpoints" / "checkpoints.json"
+    )
     args = parser.parse_args()
 
     results: dict[str, Any] = {"load_before": os.getloadavg()[0], "runs": [], "table": None}

@@ -6,7 +6,7 @@ reaches): each run must meet its floor (achieved >= 0.9 x floor) or stop with ex
     ../shared/bench/quiet.sh && .venv/bin/python benchmarks/bench_floors.py     # ~8 min here
 
 The reference is measured in this run, before and after the jobs (median of the two). Each job is a
-fresh `heterps run` process (its own embedded Ray, as a user runs it). Writes benchmarks/floors.json
+fresh `heterps run` process (its own embedded Ray, as a user runs it). Writes benchmarks/bench_floors/floors.json
 and prints the table of BENCHMARKS.md "Floors".
 """
 
@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--factors", nargs="*", type=float, default=[0.3, 0.5, 0.7, 3.0])
     parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "bench_floors")
-    parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "floors.json")
+    parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "bench_floors" / "floors.json")
     parser.add_argument("--reference-steps", type=int, default=200)
     parser.add_argument("--steps", type=int, default=None, help="batches each job trains (default: all)")
     args = parser.parse_args()

@@ -3,7 +3,7 @@ trainer on the same data, the same architecture and the same epochs (BENCHMARKS.
 
     .venv/bin/pip install -e ".[bench]"
     .venv/bin/python benchmarks/bench_quality.py [--job configs/jobs/quickstart.yaml] [--sweep] [--out runs/bench_quality]
-    .venv/bin/python benchmarks/bench_quality.py --sweep --output benchmarks/quality.json   # BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_quality.py --sweep --output benchmarks/bench_quality/quality.json   # BENCHMARKS.md
 
 The data is the job's (the quickstart's 200k synthetic rows, generated into OUT/data with the job's seed:
 the same rows as runs/quickstart/data). DeepCTR-Torch's DNN is its WDL with no wide part: the slot

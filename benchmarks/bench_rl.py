@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rl.py --problems 50 --modes zero-shot                   # the pretrained policy
     python benchmarks/bench_rl.py --problems 10 --modes finetune,train --budget-s 60 --baselines greedy,genetic
-    python benchmarks/bench_rl.py --held-out --exact-time-limit-s 30 --exact-cache benchmarks/rl_exact_cache_held_out.json
+    python benchmarks/bench_rl.py --held-out --exact-time-limit-s 30 --exact-cache benchmarks/bench_rl/rl_exact_cache_held_out.json
 
 Modes: `zero-shot` (the shipped pretrained policy, no training), `finetune` (that policy trained
 further on the problem for --budget-s), `train` (a fresh policy trained on the problem for
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policy", type=Path, default=None, help="policy directory (default: the shipped one)"
     )
     parser.add_argument("--baselines", default="", help="comma-separated baseline schedulers to run as well")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/rl.jsonl"))
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/bench_rl/rl.jsonl"))
     parser.add_argument(
         "--exact-cache",
         type=Path,

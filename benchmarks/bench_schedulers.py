@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schedulers", default=None, help="comma-separated (default: every registered one)")
     parser.add_argument("--budget-s", type=float, default=None, help="budget_s for every scheduler but rl")
     parser.add_argument("--rl-budget-s", type=float, default=60.0, help="budget_s of the rl scheduler")
-    parser.add_argument("--output", default="benchmarks/schedulers.json", help="rows as JSON")
+    parser.add_argument("--output", default="benchmarks/bench_schedulers/schedulers.json", help="rows as JSON")
     parser.add_argument(
         "--markdown", default=None, metavar="FILE", help="replace its '## Schedulers' section"
     )
@@ -170,7 +170,7 @@ def render(names: list[str], rows: list[dict], problems: list[dict], command: st
     lines += [
         "",
         "Plans evaluated: assignments provisioned (exact: throughput levels solved, or assignments when it "
-        "brute-forces a small problem). Per-problem rows: `benchmarks/schedulers.json`.",
+        "brute-forces a small problem). Per-problem rows: `benchmarks/bench_schedulers/schedulers.json`.",
     ]
     if "rl" not in names:
         lines.append(

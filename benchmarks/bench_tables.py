@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--admit-after", type=int, default=1)
     parser.add_argument("--ttl", type=int, default=0)
     parser.add_argument("--max-rows", type=int, default=0)
-    parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "tables.json")
+    parser.add_argument("--result", type=Path, default=REPO / "benchmarks" / "bench_tables" / "tables.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = parser.parse_args()
     if args.one:

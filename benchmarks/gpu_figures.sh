@@ -5,7 +5,7 @@
 # into OUTDIR: gpu_check.json/.log, bench_gpu.json/.log, machine.txt, and the profiled run's problem.yaml
 # and reports. bench_gpu.py's table says where a batch went (phases, every thread's CPU, ops and waits).
 #   source .whl/install.sh && bash benchmarks/gpu_figures.sh "$OUT"
-# Keep every run's files: copy OUTDIR to benchmarks/gpu/YYYY-MM-DD-<card>/ and commit them, so that a figure
+# Keep every run's files: copy OUTDIR to benchmarks/gpu_figures/YYYY-MM-DD-<card>/ and commit them, so that a figure
 # in BENCHMARKS.md can be checked against what the machine printed.
 set -uo pipefail
 out=${1:?usage: gpu_figures.sh OUTDIR}

@@ -28,7 +28,8 @@ def _run(measured: Path, problem: Path | None = None) -> str:
 
 
 def test_measured_runs_are_predicted_again_with_and_without_a_shared_host(tmp_path):
-    data = yaml.safe_load((REPO / "benchmarks" / "costmodel_validation_problem.yaml").read_text())
+    source = REPO / "benchmarks" / "validate_costmodel" / "costmodel_validation_problem.yaml"
+    data = yaml.safe_load(source.read_text())
     data.pop("hosts", None)  # every actor on cores of its own
     (tmp_path / "problem.yaml").write_text(yaml.safe_dump(data))
     data["hosts"] = [{"name": "local", "cores": 1, "types": [SMALL, BIG]}]

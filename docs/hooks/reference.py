@@ -312,12 +312,14 @@ def _cell(text: str) -> str:
     return text.replace("[", "\\[").replace("]", "\\]")
 
 
-RESULTS = "../../benchmarks/"  # the benchmarks' result files (plots) as docs/benchmarks/*.md link them
+# the folders whose result files (plots) docs/benchmarks/*.md link as ../../FOLDER/NAME/...
+RESULTS = ("benchmarks/", "scripts/")
 
 
 def on_files(files: Any, config: Any) -> Any:
     """MkDocs: add the generated pages to the site (replacing any file of the same path), and the plots
-    the benchmark pages show, from the repository's benchmarks/ folder."""
+    the benchmark pages show, from the result folders beside the repository's benchmark scripts and tools
+    (benchmarks/NAME/, scripts/NAME/)."""
     from mkdocs.structure.files import File
 
     for path, content in pages().items():
@@ -325,13 +327,16 @@ def on_files(files: Any, config: Any) -> Any:
         if existing is not None:
             files.remove(existing)
         files.append(File.generated(config, path, content=content))
-    for plot in sorted((ROOT / "benchmarks").glob("*.png")):
-        files.append(File.generated(config, f"benchmarks/results/{plot.name}", abs_src_path=str(plot)))
+    for folder in RESULTS:
+        for plot in sorted((ROOT / folder).rglob("*.png")):
+            path = plot.relative_to(ROOT).as_posix()
+            files.append(File.generated(config, f"benchmarks/results/{path}", abs_src_path=str(plot)))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     """MkDocs: a benchmark page's links to the repository's result files point at their copies in the site."""
     if page.file.src_uri.startswith("benchmarks/"):
-        markdown = markdown.replace(f"]({RESULTS}", "](results/")
+        for folder in RESULTS:
+            markdown = markdown.replace(f"](../../{folder}", f"](results/{folder}")
     return markdown
