@@ -7,8 +7,8 @@ cannot drift from it.
   the pydantic models (heterps_ray/config/, heterps_ray/costmodel/problem.py);
 * ``reference/errors.md``: every message the CLI can print for a user error, read from the ``raise``
   statements of the package (the error types of heterps_ray/errors.py), with their exit codes;
-* the site's home, figures and scripts pages: README.md, BENCHMARKS.md and scripts/README.md, their
-  links made relative to the site.
+* the site's home, figures, benchmark scripts and tools pages: README.md, BENCHMARKS.md, benchmarks/README.md
+  and scripts/README.md, their links made relative to the site.
 
 tests/test_docs.py checks that every command and field is in the pages this hook writes.
 """
@@ -268,26 +268,42 @@ def errors_page() -> str:
 
 
 def _site_links(text: str, links: dict[str, str]) -> str:
-    """Links of a file outside docs/ (README.md, BENCHMARKS.md, scripts/README.md) as they resolve inside
-    the site: each prefix in `links` (a path from that file) becomes the site path given."""
+    """Links of a file outside docs/ (README.md, BENCHMARKS.md, the READMEs of benchmarks/ and scripts/)
+    as they resolve inside the site: each prefix in `links` (a path from that file) becomes the site path
+    given."""
     for prefix, target in links.items():
         text = text.replace(f"]({prefix}", f"]({target}")
     return text
 
 
 def root_pages() -> dict[str, str]:
-    """The site's pages made from files outside docs/: the home page, today's figures, the scripts' index."""
+    """The site's pages made from files outside docs/: the home page, today's figures, the benchmark
+    scripts' index and the tools'."""
     return {
         "index.md": _site_links(
             (ROOT / "README.md").read_text(),
-            {"docs/": "", "BENCHMARKS.md": "benchmarks/index.md", "scripts/README.md": "scripts.md"},
+            {
+                "docs/": "",
+                "BENCHMARKS.md": "benchmarks/index.md",
+                "benchmarks/README.md": "benchmarks/scripts.md",
+                "scripts/README.md": "scripts.md",
+            },
         ),
         "benchmarks/index.md": _site_links(
-            (ROOT / "BENCHMARKS.md").read_text(), {"docs/": "../", "scripts/README.md": "../scripts.md"}
+            (ROOT / "BENCHMARKS.md").read_text(),
+            {"docs/": "../", "benchmarks/README.md": "scripts.md", "scripts/README.md": "../scripts.md"},
+        ),
+        "benchmarks/scripts.md": _site_links(
+            (ROOT / "benchmarks" / "README.md").read_text(),
+            {"../docs/": "../", "../BENCHMARKS.md": "index.md", "../scripts/README.md": "../scripts.md"},
         ),
         "scripts.md": _site_links(
             (ROOT / "scripts" / "README.md").read_text(),
-            {"../docs/": "", "../BENCHMARKS.md": "benchmarks/index.md"},
+            {
+                "../docs/": "",
+                "../BENCHMARKS.md": "benchmarks/index.md",
+                "../benchmarks/README.md": "benchmarks/scripts.md",
+            },
         ),
     }
 
