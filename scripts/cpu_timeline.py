@@ -2,7 +2,7 @@
 what ran beside a profile's probe, a benchmark's window or a test (issue 41: what else was busy while
 cpu_big's one-stage run read slow).
 
-    python scripts/cpu_timeline.py -- python scripts/price_one_stage.py --take 3 --job configs/jobs/quickstart.yaml --out /tmp/take
+    python scripts/cpu_timeline.py -- .venv/bin/heterps profile configs/jobs/quickstart.yaml -o /tmp/profile.yaml
 
 Each line: the time (UTC), the cores the whole machine took over the interval, then the busiest
 processes (cores, pid, title: Ray names an actor's process ``ray::Class.method`` while it runs one).

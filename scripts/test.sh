@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TUNE_DISABLE_AUTO_CALLBACK_LOGGERS=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
-.venv/bin/ruff check heterps_ray tests scripts
+.venv/bin/ruff check heterps_ray tests scripts benchmarks
 .venv/bin/mypy heterps_ray
 .venv/bin/mkdocs build --strict --quiet
 .venv/bin/pytest -p no:cacheprovider "$@"

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "--validation", type=int, default=30, help="held-out problems each trial is scored on"
     )
     tuning.add_argument("--tune-storage", type=Path, default=Path("runs/tune"), help="Tune's trial folders")
-    tuning.add_argument("--tune-output", type=Path, default=Path("benchmarks/rl_tune_asha.json"))
+    tuning.add_argument("--tune-output", type=Path, default=Path("scripts/train_policy/rl_tune_asha.json"))
     imitation = parser.add_argument_group("--imitate: learn exact's plans (behaviour cloning, DAgger)")
     imitation.add_argument("--imitate", action="store_true", help="imitate exact instead of PPO from scratch")
     imitation.add_argument("--labels", type=Path, default=Path("runs/exact_labels.json"), help="label cache")

@@ -1,4 +1,4 @@
-"""Fault injection for the fault tests and scripts/bench_faults.py: kill one actor of a running job
+"""Fault injection for the fault tests and the chaos benchmark: kill one actor of a running job
 mid-chunk, through ``driver.train``'s ``on_chunk`` hook."""
 
 from __future__ import annotations

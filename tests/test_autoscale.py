@@ -45,10 +45,11 @@ def test_bundles_are_the_actors_a_plan_starts():
 
 
 def _split_problem(folder: Path) -> Path:
-    """The local profiled problem (benchmarks/) on TINY_MODEL's layers (no fc3, fc4), the embedding 50x
+    """The local profiled problem (benchmarks/validate_costmodel/) on TINY_MODEL's layers (no fc3, fc4), the embedding 50x
     slower on cpu_big and the dense layers 50x slower on cpu_small: the cheapest plan is embedding@cpu_small | fc1..logit@cpu_big, one
     actor of each (the PS in the DataWorker), so the run needs one node of each type."""
-    data = load_problem(REPO / "benchmarks" / "costmodel_validation_problem.yaml").to_dict()
+    data = load_problem(REPO / "benchmarks" / "validate_costmodel" / "costmodel_validation_problem.yaml")
+    data = data.to_dict()
     data["layers"] = [layer for layer in data["layers"] if layer["name"] not in ("fc3", "fc4")]
     for layer in data["layers"]:
         slow = layer["time_ms"]["cpu_big" if layer["name"] == "embedding" else "cpu_small"]

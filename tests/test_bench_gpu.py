@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py tiny on the CPU (the cuda type on the CPU under the explicit test flag): the plain
+"""benchmarks/bench_gpu.py tiny on the CPU (the cuda type on the CPU under the explicit test flag): the plain
 loop with its table on the "GPU" and on the CPU, and heterps' plan through its GPU tier, side by side;
 the JSON carries each system's rate, the ratios, the model's error and where the table lived."""
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_bench_runs_tiny_with_heterps_table_in_the_gpu_tier(tmp_path):
     out = tmp_path / "bench_gpu.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--tiny", "--rounds", "2",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), "--tiny", "--rounds", "2",
            "--batch-sizes", "64", "--workdir", str(tmp_path), "--out", str(out)]  # fmt: skip
     env = {**os.environ, "HETERPS_CUDA_AS_CPU": "1", "RAY_ADDRESS": ""}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""The soak benchmark's measure of each fault (scripts/bench_soak.py), on progress records written as
+"""The soak benchmark's measure of each fault (benchmarks/bench_soak.py), on progress records written as
 its child writes them: one per chunk boundary, and an "armed" one where an actor was armed to die."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from bench_soak import measure_faults  # noqa: E402
 

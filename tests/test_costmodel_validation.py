@@ -1,4 +1,4 @@
-"""scripts/validate_costmodel.py --measured: saved real runs are predicted again from a problem file,
+"""benchmarks/validate_costmodel.py --measured: saved real runs are predicted again from a problem file,
 without Ray, so the cost model can be iterated on offline."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SMALL, BIG = "cpu_small", "cpu_big"
 
 
 def _run(measured: Path, problem: Path | None = None) -> str:
-    cmd = [sys.executable, str(REPO / "scripts" / "validate_costmodel.py"), "--measured", str(measured)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "validate_costmodel.py"), "--measured", str(measured)]
     if problem is not None:
         cmd += ["--problem", str(problem)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -28,7 +28,8 @@ def _run(measured: Path, problem: Path | None = None) -> str:
 
 
 def test_measured_runs_are_predicted_again_with_and_without_a_shared_host(tmp_path):
-    data = yaml.safe_load((REPO / "benchmarks" / "costmodel_validation_problem.yaml").read_text())
+    source = REPO / "benchmarks" / "validate_costmodel" / "costmodel_validation_problem.yaml"
+    data = yaml.safe_load(source.read_text())
     data.pop("hosts", None)  # every actor on cores of its own
     (tmp_path / "problem.yaml").write_text(yaml.safe_dump(data))
     data["hosts"] = [{"name": "local", "cores": 1, "types": [SMALL, BIG]}]

@@ -71,3 +71,4 @@ def test_the_site_links_of_the_readme_point_into_the_site(hook):
     pages = hook.root_pages()
     assert "](docs/" not in pages["index.md"] and "](cli.md)" in pages["index.md"]
     assert "](docs/" not in pages["benchmarks/index.md"]
+    assert "](../docs/" not in pages["benchmarks/scripts.md"] and "](../docs/" not in pages["scripts.md"]

@@ -46,7 +46,7 @@ def test_change_reason_and_restricted_problem_keep_the_other_profiles():
     with pytest.raises(InfeasibleError, match="PS resource type"):
         restrict_problem(problem, [t for t in problem.type_names if t != problem.ps_resource])
     # a profiled local problem declares the machine its types share: a type that leaves, leaves it too
-    local = load_problem(REPO / "benchmarks" / "costmodel_validation_problem.yaml")
+    local = load_problem(REPO / "benchmarks" / "validate_costmodel" / "costmodel_validation_problem.yaml")
     assert local.hosts and set(local.hosts[0].types) == {"cpu_small", "cpu_big"}
     alone = restrict_problem(local, ["cpu_small"])
     assert alone.hosts is not None and list(alone.hosts[0].types) == ["cpu_small"]

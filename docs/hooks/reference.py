@@ -7,8 +7,8 @@ cannot drift from it.
   the pydantic models (heterps_ray/config/, heterps_ray/costmodel/problem.py);
 * ``reference/errors.md``: every message the CLI can print for a user error, read from the ``raise``
   statements of the package (the error types of heterps_ray/errors.py), with their exit codes;
-* the site's home, figures and scripts pages: README.md, BENCHMARKS.md and scripts/README.md, their
-  links made relative to the site.
+* the site's home, figures, benchmark scripts and tools pages: README.md, BENCHMARKS.md, benchmarks/README.md
+  and scripts/README.md, their links made relative to the site.
 
 tests/test_docs.py checks that every command and field is in the pages this hook writes.
 """
@@ -268,26 +268,42 @@ def errors_page() -> str:
 
 
 def _site_links(text: str, links: dict[str, str]) -> str:
-    """Links of a file outside docs/ (README.md, BENCHMARKS.md, scripts/README.md) as they resolve inside
-    the site: each prefix in `links` (a path from that file) becomes the site path given."""
+    """Links of a file outside docs/ (README.md, BENCHMARKS.md, the READMEs of benchmarks/ and scripts/)
+    as they resolve inside the site: each prefix in `links` (a path from that file) becomes the site path
+    given."""
     for prefix, target in links.items():
         text = text.replace(f"]({prefix}", f"]({target}")
     return text
 
 
 def root_pages() -> dict[str, str]:
-    """The site's pages made from files outside docs/: the home page, today's figures, the scripts' index."""
+    """The site's pages made from files outside docs/: the home page, today's figures, the benchmark
+    scripts' index and the tools'."""
     return {
         "index.md": _site_links(
             (ROOT / "README.md").read_text(),
-            {"docs/": "", "BENCHMARKS.md": "benchmarks/index.md", "scripts/README.md": "scripts.md"},
+            {
+                "docs/": "",
+                "BENCHMARKS.md": "benchmarks/index.md",
+                "benchmarks/README.md": "benchmarks/scripts.md",
+                "scripts/README.md": "scripts.md",
+            },
         ),
         "benchmarks/index.md": _site_links(
-            (ROOT / "BENCHMARKS.md").read_text(), {"docs/": "../", "scripts/README.md": "../scripts.md"}
+            (ROOT / "BENCHMARKS.md").read_text(),
+            {"docs/": "../", "benchmarks/README.md": "scripts.md", "scripts/README.md": "../scripts.md"},
+        ),
+        "benchmarks/scripts.md": _site_links(
+            (ROOT / "benchmarks" / "README.md").read_text(),
+            {"../docs/": "../", "../BENCHMARKS.md": "index.md", "../scripts/README.md": "../scripts.md"},
         ),
         "scripts.md": _site_links(
             (ROOT / "scripts" / "README.md").read_text(),
-            {"../docs/": "", "../BENCHMARKS.md": "benchmarks/index.md"},
+            {
+                "../docs/": "",
+                "../BENCHMARKS.md": "benchmarks/index.md",
+                "../benchmarks/README.md": "benchmarks/scripts.md",
+            },
         ),
     }
 
@@ -312,12 +328,14 @@ def _cell(text: str) -> str:
     return text.replace("[", "\\[").replace("]", "\\]")
 
 
-RESULTS = "../../benchmarks/"  # the benchmarks' result files (plots) as docs/benchmarks/*.md link them
+# the folders whose result files (plots) docs/benchmarks/*.md link as ../../FOLDER/NAME/...
+RESULTS = ("benchmarks/", "scripts/")
 
 
 def on_files(files: Any, config: Any) -> Any:
     """MkDocs: add the generated pages to the site (replacing any file of the same path), and the plots
-    the benchmark pages show, from the repository's benchmarks/ folder."""
+    the benchmark pages show, from the result folders beside the repository's benchmark scripts and tools
+    (benchmarks/NAME/, scripts/NAME/)."""
     from mkdocs.structure.files import File
 
     for path, content in pages().items():
@@ -325,13 +343,16 @@ def on_files(files: Any, config: Any) -> Any:
         if existing is not None:
             files.remove(existing)
         files.append(File.generated(config, path, content=content))
-    for plot in sorted((ROOT / "benchmarks").glob("*.png")):
-        files.append(File.generated(config, f"benchmarks/results/{plot.name}", abs_src_path=str(plot)))
+    for folder in RESULTS:
+        for plot in sorted((ROOT / folder).rglob("*.png")):
+            path = plot.relative_to(ROOT).as_posix()
+            files.append(File.generated(config, f"benchmarks/results/{path}", abs_src_path=str(plot)))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     """MkDocs: a benchmark page's links to the repository's result files point at their copies in the site."""
     if page.file.src_uri.startswith("benchmarks/"):
-        markdown = markdown.replace(f"]({RESULTS}", "](results/")
+        for folder in RESULTS:
+            markdown = markdown.replace(f"](../../{folder}", f"](results/{folder}")
     return markdown

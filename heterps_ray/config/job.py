@@ -41,7 +41,7 @@ class OptimizerConfig(BaseModel):
 
     sparse: Literal["adagrad"] = "adagrad"
     # Chosen on the quickstart's 200k synthetic rows against DeepCTR-Torch (BENCHMARKS.md "Model
-    # quality", scripts/bench_quality.py): a small initial accumulator lets fresh rows move at once.
+    # quality", benchmarks/bench_quality.py): a small initial accumulator lets fresh rows move at once.
     sparse_lr: float = Field(0.02, gt=0)
     sparse_init_accumulator: float = Field(1e-6, ge=0)
     dense: Literal["adam", "sgd"] = "adam"

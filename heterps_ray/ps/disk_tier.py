@@ -12,7 +12,7 @@ is bit for bit training with every row in RAM: where a row lives changes the tim
 
 Why an explicit RAM cache over a file of records, and not the row store's segments mapped from
 files with the page cache as the RAM tier, nor an embedded key-value store (BENCHMARKS.md "Tables",
-the disk tier; scripts/bench_disk_store.py): on the Criteo-shaped key stream the hottest quarter of
+the disk tier; benchmarks/bench_disk_store.py): on the Criteo-shaped key stream the hottest quarter of
 the pages would serve nearly as many lookups as the hottest quarter of the rows (0.88 against 0.90:
 hot keys come first and sit together), so hit rate does not decide it. What does: mapped pages count
 in the process's RSS and the kernel, not the budget, decides how many stay; dirty pages are written

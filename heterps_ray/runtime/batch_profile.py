@@ -1,6 +1,6 @@
 """Where a DataWorker's batches go beyond its training thread's phases (worker_base.PhaseClock): the host
 CPU each of its threads spends, and, over a few batches, the ops the batches dispatch and the waits for
-the device among them (torch.profiler). Every GPU run prints them (scripts/bench_gpu.py), so that a gap to
+the device among them (torch.profiler). Every GPU run prints them (benchmarks/bench_gpu.py), so that a gap to
 the plain loop says where it is.
 
 * :class:`ThreadCPU`: CPU seconds per thread (psutil), by role: the training thread, the reader, the

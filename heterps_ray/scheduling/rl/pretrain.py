@@ -6,7 +6,7 @@
 
 Three disjoint problem sets: the training pool is drawn from one generator stream seeded with
 seed + TRAIN_SEED_OFFSET; the validation set (what Tune scores on) uses the integer seeds
-VALIDATION_SEED..; the benchmark uses small integer seeds 0.. (scripts/bench_rl.py).
+VALIDATION_SEED..; the benchmark uses small integer seeds 0.. (benchmarks/bench_rl.py).
 """
 
 from __future__ import annotations
