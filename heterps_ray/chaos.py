@@ -1,5 +1,5 @@
 """Fault points for chaos testing: an actor armed at a phase dies inside its next call in that phase
-(tests/test_faults.py, scripts/bench_faults.py). Below every part, so PS shards and workers alike
+(tests/test_faults.py, benchmarks/bench_chaos.py). Below every part, so PS shards and workers alike
 carry one."""
 
 from __future__ import annotations

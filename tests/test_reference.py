@@ -268,8 +268,8 @@ def test_reference_reaches_the_achievable_auc_on_1m_synthetic_rows(tmp_path):
 
 
 def test_the_machines_reference_rate_synthesises_a_fresh_jobs_data_first(tmp_path):
-    """price_one_stage.py --take on a fresh clone: the plain loop beside each profile reads the job's
-    data, which `heterps run` would have synthesised; the rate makes it the same way."""
+    """The plain loop's rate (bench_floors.py) on a fresh clone reads the job's data, which `heterps run`
+    would have synthesised; the rate makes it the same way."""
     from heterps_ray.config import load_job
     from heterps_ray.data.dataset import Dataset
     from heterps_ray.runtime.reference import WARMUP_STEPS, reference_rate

@@ -217,8 +217,8 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 def reference_rate(job: JobConfig, steps: int, threads: int = 2) -> float:
     """samples/s of the reference trainer (the job's model and optimizers, `threads` torch threads) on
     the job's training data, over `steps` batches after WARMUP_STEPS: the plain one-process loop the
-    benchmarks compare with (benchmarks/bench_floors.py) and the machine's speed beside a profile
-    (scripts/price_one_stage.py). The data is synthesised first where the job's directory has none."""
+    benchmarks compare with (benchmarks/bench_floors.py). The data is synthesised first where the
+    job's directory has none."""
     from heterps_ray.data.dataset import prepare_dataset
 
     with torch_threads(threads):
