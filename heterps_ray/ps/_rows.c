@@ -28,7 +28,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <errno.h>
 #include <pthread.h>
+#include <sys/uio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1309,18 +1311,20 @@ static PyObject *Rows_repack(Rows *t, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSize_t(freed);
 }
 
-/* Reads in flight: a call's records split into `depth` runs of consecutive ones, each read by a
- * thread of its own, so that up to `depth` preads wait on the device at once (a cold read waits on the
- * device, not on the CPU: one at a time, a disk tier read 32.6k rows/s here). Threads are started per
- * call and only where each gets PREAD_MIN_PER_THREAD records or more: a read served by the page cache
- * is quicker than starting a thread. io_uring would keep as many in flight from one thread; containers
- * often forbid it, and these threads need nothing but pthreads. */
-#define PREAD_MIN_PER_THREAD 32
+/* Reads in flight. A call's records are first read from the page cache alone (preadv2 with
+ * RWF_NOWAIT: a record whose pages are not cached is left, not waited for), on the calling thread:
+ * a cached read takes a microsecond, less than starting a thread. The records left wait on the device,
+ * so they are split into `depth` runs of consecutive ones, each read by a thread of its own: up to
+ * `depth` reads wait on the device at once (one at a time, a disk tier read 32.6k rows/s here).
+ * Where the kernel has no RWF_NOWAIT every record is left to the threads. io_uring would keep as many
+ * in flight from one thread; containers often forbid it, and these need nothing but pthreads. */
+#define PREAD_MIN_PER_THREAD 4
 #define PREAD_MAX_THREADS 256
 
 typedef struct {
     int fd;
     const int64_t *offsets;
+    const int64_t *which; /* the records this run reads: which[begin..end) */
     char *out;
     size_t size;
     int64_t begin, end, bad; /* bad: the first record that read short, or -1 */
@@ -1328,7 +1332,8 @@ typedef struct {
 
 static void *pread_run(void *arg) {
     PreadRun *run = (PreadRun *)arg;
-    for (int64_t i = run->begin; i < run->end; i++) {
+    for (int64_t j = run->begin; j < run->end; j++) {
+        int64_t i = run->which[j];
         if (pread(run->fd, run->out + (size_t)i * run->size, run->size, (off_t)run->offsets[i]) !=
             (ssize_t)run->size) {
             run->bad = i;
@@ -1338,29 +1343,51 @@ static void *pread_run(void *arg) {
     return NULL;
 }
 
-/* Reads records [0, n) with up to `depth` threads; the first record that read short, or -1. */
+/* The records [0, n) that the page cache does not hold whole, into `left`; their count. */
+static int64_t read_cached(int fd, const int64_t *offsets, char *out, size_t size, int64_t n, int64_t *left) {
+    int64_t count = 0;
+    int nowait = 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (nowait) {
+            struct iovec iov = {out + (size_t)i * size, size};
+            ssize_t got = preadv2(fd, &iov, 1, (off_t)offsets[i], RWF_NOWAIT);
+            if (got == (ssize_t)size) continue;
+            if (got < 0 && errno != EAGAIN) nowait = 0; /* no RWF_NOWAIT here: the threads read all */
+        }
+        left[count++] = i;
+    }
+    return count;
+}
+
+/* Reads records [0, n), those not cached with up to `depth` threads; the first record that read
+ * short, or -1; -2 where memory for the list ran out. */
 static int64_t pread_all(int fd, const int64_t *offsets, char *out, size_t size, int64_t n, int depth) {
-    int64_t threads = n / PREAD_MIN_PER_THREAD;
+    int64_t *left = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!left) return -2;
+    int64_t pending = read_cached(fd, offsets, out, size, n, left);
+    int64_t threads = pending / PREAD_MIN_PER_THREAD;
     if (threads > depth) threads = depth;
     if (threads > PREAD_MAX_THREADS) threads = PREAD_MAX_THREADS;
-    if (threads < 2) {
-        PreadRun one = {fd, offsets, out, size, 0, n, -1};
-        pread_run(&one);
-        return one.bad;
-    }
-    PreadRun runs[PREAD_MAX_THREADS];
-    pthread_t ids[PREAD_MAX_THREADS];
-    int started[PREAD_MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) {
-        runs[t] = (PreadRun){fd, offsets, out, size, n * t / threads, n * (t + 1) / threads, -1};
-        started[t] = pthread_create(&ids[t], NULL, pread_run, &runs[t]) == 0;
-        if (!started[t]) pread_run(&runs[t]); /* no thread left: this one reads the run itself */
-    }
     int64_t bad = -1;
-    for (int64_t t = 0; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        if (runs[t].bad >= 0 && (bad < 0 || runs[t].bad < bad)) bad = runs[t].bad;
+    if (threads < 2) {
+        PreadRun one = {fd, offsets, left, out, size, 0, pending, -1};
+        pread_run(&one);
+        bad = one.bad;
+    } else {
+        PreadRun runs[PREAD_MAX_THREADS];
+        pthread_t ids[PREAD_MAX_THREADS];
+        int started[PREAD_MAX_THREADS];
+        for (int64_t t = 0; t < threads; t++) {
+            runs[t] = (PreadRun){fd, offsets, left, out, size, pending * t / threads, pending * (t + 1) / threads, -1};
+            started[t] = pthread_create(&ids[t], NULL, pread_run, &runs[t]) == 0;
+            if (!started[t]) pread_run(&runs[t]); /* no thread left: this one reads the run itself */
+        }
+        for (int64_t t = 0; t < threads; t++) {
+            if (started[t]) pthread_join(ids[t], NULL);
+            if (runs[t].bad >= 0 && (bad < 0 || runs[t].bad < bad)) bad = runs[t].bad;
+        }
     }
+    free(left);
     return bad;
 }
 
@@ -1390,7 +1417,9 @@ static PyObject *pread_records(PyObject *Py_UNUSED(module), PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         bad = pread_all(fd, offsets, (char *)bb.buf, size, n, depth);
         Py_END_ALLOW_THREADS
-        if (bad >= 0)
+        if (bad == -2)
+            PyErr_NoMemory();
+        else if (bad >= 0)
             PyErr_Format(PyExc_OSError, "short read of record %lld at offset %lld", (long long)bad,
                          (long long)offsets[bad]);
     }
