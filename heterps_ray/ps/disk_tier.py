@@ -107,7 +107,7 @@ class DiskRows:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(self.path, flags, 0o644)
         # rows are read where their keys take them: the kernel's read-ahead would read pages no one asked
-        # for, and take the device's reads from those that were (cold reads 1.3x quicker at 32 in flight)
+        # for, and take the device's reads from those that were
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(self._fd).st_size
         # appended at the end only; a torn record left by a crash is skipped, never overwritten
