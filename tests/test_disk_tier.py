@@ -84,6 +84,26 @@ def test_a_row_read_back_from_disk_equals_the_row_written(tmp_path, evict):
     np.testing.assert_array_equal(table.pull(keys[:500], step=3), fresh.pull(keys[:500], step=3))
 
 
+def test_the_tiers_hits_and_misses_count_key_lookups_as_the_gpu_tiers_do(tmp_path):
+    """A hit is a lookup whose row was in RAM, a miss one whose row was not (on disk, or new), each
+    repeat of a key a lookup; rows read back from disk are counted apart (fetched)."""
+    table = SparseTable(dim=DIM, seed=1, ram_rows=64, disk_dir=str(tmp_path))
+    first = np.repeat(np.arange(100, dtype=np.int64), 2)  # 100 new keys, each looked up twice
+    table.pull(first, step=1)
+    stats = table.stats()
+    assert (stats["disk_hits"], stats["disk_misses"], stats["disk_fetched"]) == (0, 200, 0)
+    table.pull(np.arange(100, 300, dtype=np.int64), step=2)  # the first 100 rows leave for disk
+    on_disk = int(table.stats()["disk_rows"])
+    assert on_disk >= 100
+    again = np.concatenate([np.arange(10, dtype=np.int64)] * 3)  # 10 rows on disk, 3 lookups each
+    table.pull(again, step=3)
+    stats = table.stats()
+    assert stats["disk_hits"] + stats["disk_misses"] == 200 + 200 + 30
+    assert stats["disk_fetched"] == 10 and stats["disk_misses"] == 200 + 200 + 30
+    table.pull(again, step=4)  # now in RAM: 30 hits
+    assert table.stats()["disk_hits"] == 30
+
+
 def test_the_tier_above_writes_back_rows_that_were_spilled_since_it_fetched_them(tmp_path):
     a = SparseTable(dim=DIM, seed=2)
     b = SparseTable(dim=DIM, seed=2, ram_rows=100, disk_dir=str(tmp_path))

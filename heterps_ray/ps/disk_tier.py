@@ -273,7 +273,9 @@ class DiskTier:
         self.index_outgrew = False  # True once the index left the RAM tier only its floor
         _return_freed_memory()
         self.disk = DiskRows(directory, record_dtype(dim, acc_width), reads)
-        self.stats = TierStats()  # misses: rows read back from disk (also fetched)
+        # in key lookups, as the GPU tier counts them: a hit found its row in RAM, a miss did not (its
+        # row came from disk, or is new); rows read back from disk are `fetched`
+        self.stats = TierStats()
         # spill 1/16 below the budget at a time, as the row cap does: the scan for the least recent
         # rows then runs once per ram_rows/16 new rows
         self._slack = max(1, ram_rows // 16)
@@ -286,8 +288,10 @@ class DiskTier:
         for the rest (the least recent rows spilled), and those on disk are read back."""
         found = np.empty(len(keys), dtype=np.uint8)
         self.rows.has(keys, found, True)
-        missing = np.unique(keys[found == 0])
-        self.stats.hits += len(keys) - int((found == 0).sum())
+        absent = found == 0
+        missing = np.unique(keys[absent])
+        self.stats.misses += int(absent.sum())
+        self.stats.hits += len(keys) - int(absent.sum())
         self.make_room(len(missing))  # first: a spill re-indexes the disk rows (positions move)
         pos, on_disk = self.disk.find(missing)
         self._promote(pos[on_disk])
@@ -339,7 +343,6 @@ class DiskTier:
         records = self.disk.read(pos)
         self.rows.insert(records.view(np.uint8))
         self.disk.forget(pos)
-        self.stats.misses += len(pos)
         self.stats.fetched += len(pos)
 
     def fill(self, keys: np.ndarray, out: np.ndarray) -> None:

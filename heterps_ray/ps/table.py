@@ -206,7 +206,7 @@ class SparseTable(TableSnapshots):
             stats = self._disk.stats
             out.update(
                 disk_rows=len(self._disk), disk_hits=stats.hits, disk_misses=stats.misses,
-                disk_written_back=stats.written_back, disk_evicted=stats.evicted,
+                disk_fetched=stats.fetched, disk_written_back=stats.written_back, disk_evicted=stats.evicted,
                 disk_file_bytes=self._disk.disk.records * self._disk.disk.dtype.itemsize,
                 disk_index_bytes=self._disk.disk.nbytes,
             )  # fmt: skip
