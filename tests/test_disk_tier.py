@@ -4,6 +4,9 @@ deltas, a checkpoint that never commits) rebuild it exactly, into a table with o
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import numpy as np
 import pytest
 from heterps_ray.ps._rows import pread_records
@@ -82,6 +85,38 @@ def test_a_row_read_back_from_disk_equals_the_row_written(tmp_path, evict):
     fresh.pull(keys[:500], step=1)
     fresh.push(keys[:500], np.full((500, DIM), 0.5, np.float32))
     np.testing.assert_array_equal(table.pull(keys[:500], step=3), fresh.pull(keys[:500], step=3))
+
+
+def test_two_jobs_given_one_disk_dir_keep_their_rows_apart(tmp_path):
+    """Each job's shards keep their files in a folder of the job's own under disk_dir (its name and its
+    output_dir): a second job starting there unlinks nothing of the first, and both read back their
+    own rows."""
+    from helpers import tiny_sync_job
+
+    from heterps_ray.ps.spec import sparse_spec
+
+    def job(name: str, out: str):
+        base = tiny_sync_job(name, tmp_path / "data", tmp_path / out)
+        disk = {"disk_dir": str(tmp_path / "disk"), "ram_mb": 0.01, "admit_after": 1}
+        return base.model_copy(update={"table": base.table.model_copy(update=disk)})
+
+    specs = [sparse_spec(j, DIM, 0.01).for_shard(0, 1, "embedding") for j in (job("a", "out-a"), job("a", "out-b"))]
+    assert specs[0].disk_dir != specs[1].disk_dir
+    assert all(Path(s.disk_dir).is_relative_to(tmp_path / "disk") for s in specs)
+    keys = np.arange(2_000, dtype=np.int64)
+    tables = []
+    for i, spec in enumerate(specs):  # the second starts after the first spilled to its file
+        table = SparseTable(**asdict(spec))
+        table.pull(keys, step=1)
+        table.push(keys, np.full((len(keys), DIM), 0.5 * (i + 1), np.float32))
+        table.pull(keys + 10_000, step=2)  # the rows above leave for disk
+        tables.append(table)
+    for i, table in enumerate(tables):
+        assert table.disk is not None and len(table.disk) > 0
+        fresh = SparseTable(**{**asdict(specs[i]), "disk_dir": "", "ram_rows": 0})  # all in RAM
+        fresh.pull(keys, step=1)
+        fresh.push(keys, np.full((len(keys), DIM), 0.5 * (i + 1), np.float32))
+        np.testing.assert_array_equal(table.pull(keys, step=3), fresh.pull(keys, step=3))
 
 
 def test_the_tiers_hits_and_misses_count_key_lookups_as_the_gpu_tiers_do(tmp_path):

@@ -9,6 +9,8 @@ created from (key, seed) only, so a model trained with 1, 2 or 4 shards is the s
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,7 +49,7 @@ class TableSpec:
     max_rows: int = 0  # rows per shard before the least recently (or frequently) seen go (0: no cap)
     evict: str = "lru"  # or "lfu"
     ram_rows: int = 0  # with disk_dir: rows per shard in RAM, the rest on local disk (ps/disk_tier.py)
-    disk_dir: str = ""  # the disk tier's directory on each PS node (each shard and table a folder in it)
+    disk_dir: str = ""  # the job's folder of the disk tier on each PS node (each shard and table a folder in it)
     disk_reads_in_flight: int = 32  # rows read from disk at once (threads of pread)
 
     def for_shard(self, index: int, num_shards: int, table: str) -> TableSpec:
@@ -56,6 +58,15 @@ class TableSpec:
             return self
         folder = Path(self.disk_dir) / f"shard-{index:05d}-of-{num_shards:05d}" / table
         return replace(self, disk_dir=str(folder))
+
+
+def job_disk_folder(job: JobConfig) -> Path:
+    """Where `job`'s rows on disk go under ``table.disk_dir``: a folder named by the job and a digest of
+    its output_dir, so that two jobs given one disk_dir (or one job run into two output dirs) never
+    touch each other's files (a shard's table starts by unlinking the files in its folder)."""
+    digest = hashlib.sha1(str(Path(job.output_dir).resolve()).encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", job.name)[:40]
+    return Path(job.table.disk_dir) / f"{name}-{digest}"
 
 
 def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
@@ -78,6 +89,6 @@ def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
         max_rows=max_rows,
         evict=settings.evict,
         ram_rows=ram_rows,
-        disk_dir=settings.disk_dir,
+        disk_dir=str(job_disk_folder(job)) if settings.disk_dir else "",
         disk_reads_in_flight=settings.disk_reads_in_flight,
     )
