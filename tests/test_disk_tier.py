@@ -4,6 +4,7 @@ deltas, a checkpoint that never commits) rebuild it exactly, into a table with o
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -117,6 +118,42 @@ def test_two_jobs_given_one_disk_dir_keep_their_rows_apart(tmp_path):
         fresh.pull(keys, step=1)
         fresh.push(keys, np.full((len(keys), DIM), 0.5 * (i + 1), np.float32))
         np.testing.assert_array_equal(table.pull(keys, step=3), fresh.pull(keys, step=3))
+
+
+def test_a_full_disk_is_a_clear_error_and_the_last_snapshot_restores(tmp_path, monkeypatch):
+    """ENOSPC while rows leave for disk: a StorageError names the file, the bytes and what to do; the
+    snapshot taken before (its rows on disk hard-linked) still restores the shard as it was."""
+    import errno
+    import os
+
+    from heterps_ray.errors import StorageError
+
+    spec = TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "disk"))
+    shard = PSShard(0, 1, {"e": spec})
+    rng = np.random.default_rng(3)
+    for step in range(1, 40):
+        keys = _skewed(rng)
+        shard.pull("e", keys, step=step)
+        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    snapshot = tmp_path / "last.npz"
+    shard.snapshot(str(snapshot))
+    shard.snapshot_durable()
+    saved = shard.state()
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("heterps_ray.ps.disk_tier.os.pwrite", full)
+    with pytest.raises(StorageError, match="the disk of table.disk_dir is full: .* B of rows to write") as err:
+        for step in range(40, 80):
+            shard.pull("e", _skewed(rng) + 10**9, step=step)  # new keys: rows must leave for disk
+    assert re.search(r"rows\.\d+\.dat", str(err.value)) and "--resume" in str(err.value) and "table.ram_mb" in str(err.value)
+    monkeypatch.undo()
+    rebuilt = PSShard(0, 1, {"e": TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "again"))})
+    rebuilt.restore(str(snapshot))
+    again = rebuilt.state()
+    for name in ("sparse/e/keys", "sparse/e/weights", "sparse/e/accumulators"):
+        np.testing.assert_array_equal(again[name], saved[name], err_msg=name)
 
 
 def test_the_tiers_hits_and_misses_count_key_lookups_as_the_gpu_tiers_do(tmp_path):

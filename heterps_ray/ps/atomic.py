@@ -127,7 +127,8 @@ def _write_member(archive: zipfile.ZipFile, path: Path, member: Member) -> None:
         np.lib.format.write_array_header_1_0(f, header)
         for chunk in member.chunks:
             data = np.ascontiguousarray(chunk, dtype=dtype)
-            f.write(data.data.cast("B"))
+            if data.size:  # an empty (n, 0) or (0, k) chunk: a memoryview cannot cast a zero in its shape
+                f.write(data.data.cast("B"))
             written += data.nbytes
     if written != expected:
         raise ValueError(f"{path}: member {member.name!r} got {written} bytes of data, expected {expected}")

@@ -32,7 +32,9 @@ into a new file when most of it is dead.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from heterps_ray.errors import DataError
+from heterps_ray.errors import DataError, StorageError
 from heterps_ray.ps._rows import pread_records
 from heterps_ray.ps.atomic import Member, NpzReader
 from heterps_ray.ps.tier_stats import TierStats
@@ -154,11 +156,26 @@ class DiskRows:
         first = self.records
         if first + n >= 2**32:
             raise OSError(f"{self.path}: 2^32 records in one file (compaction could not keep up)")
-        written = os.pwrite(self._fd, np.ascontiguousarray(records).view(np.uint8).data, self._end)
+        written = self._append(np.ascontiguousarray(records).view(np.uint8))
         if written != n * self.dtype.itemsize:
             raise OSError(f"{self.path}: short write ({written} of {n * self.dtype.itemsize} bytes)")
         self._end += written
         self._index(records["key"], np.arange(first, first + n, dtype=np.uint32))
+
+    def _append(self, data: np.ndarray) -> int:
+        """Write `data` at the file's end; a full disk is a StorageError that says what to do."""
+        try:
+            return os.pwrite(self._fd, data.data, self._end)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            free = shutil.disk_usage(self.directory).free
+            raise StorageError(
+                f"{self.path}: the disk of table.disk_dir is full: {data.nbytes:,} B of rows to write, "
+                f"{free:,} B free ({os.strerror(exc.errno)}). This shard's rows in flight are lost; the "
+                "run's checkpoints are untouched (resume from the last one with --resume once there is "
+                "room): free space under disk_dir, give it a larger disk, or raise table.ram_mb"
+            ) from exc
 
     def _index(self, keys: np.ndarray, slots: np.ndarray) -> None:
         order = np.argsort(keys, kind="stable")
@@ -219,8 +236,7 @@ class DiskRows:
                 out = np.empty(len(part), dtype=self.dtype)
                 offsets = self.slots[part].astype(np.int64) * self.dtype.itemsize
                 pread_records(old_fd, offsets, out.view(np.uint8), self.reads)
-                os.pwrite(self._fd, out.view(np.uint8).data, self._end)
-                self._end += out.nbytes
+                self._end += self._append(out.view(np.uint8))
             keys = self.keys[live]
             self.keys, self.live = keys, np.ones(len(keys), dtype=bool)
             self.slots = np.arange(len(keys), dtype=np.uint32)
