@@ -29,6 +29,18 @@ def _skewed(rng: np.random.Generator, n: int = 300) -> np.ndarray:
     return (rng.zipf(1.3, size=n) % VOCAB).astype(np.int64)
 
 
+def _trained_shard(disk: Path, seed: int, steps: int) -> tuple[PSShard, np.random.Generator]:
+    """A one-table shard with a disk tier under `disk`, trained `steps` calls on skewed keys; and its
+    random generator, to go on with."""
+    shard = PSShard(0, 1, {"e": TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(disk))})
+    rng = np.random.default_rng(seed)
+    for step in range(1, steps + 1):
+        keys = _skewed(rng)
+        shard.pull("e", keys, step=step)
+        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    return shard, rng
+
+
 def _train_pair(a: SparseTable, b: SparseTable, steps: range, seed: int = 0) -> None:
     """The same calls on both tables; every pull must agree exactly."""
     rng = np.random.default_rng(seed)
@@ -128,13 +140,7 @@ def test_a_full_disk_is_a_clear_error_and_the_last_snapshot_restores(tmp_path, m
 
     from heterps_ray.errors import StorageError
 
-    spec = TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "disk"))
-    shard = PSShard(0, 1, {"e": spec})
-    rng = np.random.default_rng(3)
-    for step in range(1, 40):
-        keys = _skewed(rng)
-        shard.pull("e", keys, step=step)
-        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    shard, rng = _trained_shard(tmp_path / "disk", seed=3, steps=39)
     snapshot = tmp_path / "last.npz"
     shard.snapshot(str(snapshot))
     shard.snapshot_durable()
@@ -290,13 +296,7 @@ def test_a_full_snapshot_links_the_rows_on_disk_instead_of_copying_them(tmp_path
     is refused naming the snapshot."""
     from heterps_ray.errors import DataError
 
-    spec = TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "disk"))
-    shard = PSShard(0, 1, {"e": spec})
-    rng = np.random.default_rng(5)
-    for step in range(1, 60):
-        keys = _skewed(rng)
-        shard.pull("e", keys, step=step)
-        shard.push("e", keys, rng.standard_normal((len(keys), DIM)).astype(np.float32))
+    shard, rng = _trained_shard(tmp_path / "disk", seed=5, steps=59)
     table = shard._tables["e"]
     assert table.disk is not None
     live_file = table.disk.disk.path
@@ -327,7 +327,9 @@ def test_a_full_snapshot_links_the_rows_on_disk_instead_of_copying_them(tmp_path
             np.testing.assert_array_equal(again[name], saved[name], err_msg=name)
     link.unlink()
     with pytest.raises(DataError, match="full.npz"):
-        PSShard(0, 1, {"e": spec}).restore(str(snapshot))
+        PSShard(0, 1, {"e": TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "disk"))}).restore(
+            str(snapshot)
+        )
 
 
 def test_rows_leaving_for_disk_give_their_memory_back_and_deltas_still_hold(tmp_path):
