@@ -136,7 +136,7 @@ def rocksdict_rates(folder: Path, n: int, record: int, batches: int) -> dict[str
     db.flush()
     db.compact_range(None, None)  # one sorted run, as a long-lived table's files settle
     write = n / (time.perf_counter() - start)
-    files = [p for p in (folder / "rocksdb").glob("*.sst")]
+    files = list((folder / "rocksdb").glob("*.sst"))
     result = {"rocksdict_write_rows_per_s": round(write)}
     for cold in (False, True):
         for path in files if not cold else []:  # warm: its files in the page cache first

@@ -132,10 +132,11 @@ def test_two_jobs_given_one_disk_dir_keep_their_rows_apart(tmp_path):
         np.testing.assert_array_equal(table.pull(keys, step=3), fresh.pull(keys, step=3))
 
 
-def test_a_full_disk_is_a_clear_error_and_the_last_snapshot_restores(tmp_path, monkeypatch):
+def test_a_full_disk_is_a_clear_error_and_the_last_snapshot_restores(tmp_path):
     """ENOSPC while rows leave for disk: a StorageError names the file, the bytes and what to do; the
-    snapshot taken before (its rows on disk hard-linked) still restores the shard as it was."""
-    import errno
+    snapshot taken before (its rows on disk hard-linked) still restores the shard as it was. The full
+    disk is the kernel's own: the tier's file descriptor is pointed at /dev/full, whose every write
+    fails with ENOSPC."""
     import os
 
     from heterps_ray.errors import StorageError
@@ -146,15 +147,15 @@ def test_a_full_disk_is_a_clear_error_and_the_last_snapshot_restores(tmp_path, m
     shard.snapshot_durable()
     saved = shard.state()
 
-    def full(fd, data, offset):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr("heterps_ray.ps.disk_tier.os.pwrite", full)
+    rows = shard._tables["e"].disk
+    assert rows is not None
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, rows.disk._fd)  # the snapshot's hard link keeps the file's rows
+    os.close(full)
     with pytest.raises(StorageError, match="the disk of table.disk_dir is full: .* B of rows to write") as err:
         for step in range(40, 80):
             shard.pull("e", _skewed(rng) + 10**9, step=step)  # new keys: rows must leave for disk
     assert re.search(r"rows\.\d+\.dat", str(err.value)) and "--resume" in str(err.value) and "table.ram_mb" in str(err.value)
-    monkeypatch.undo()
     rebuilt = PSShard(0, 1, {"e": TableSpec(dim=DIM, ram_rows=RAM_ROWS, disk_dir=str(tmp_path / "again"))})
     rebuilt.restore(str(snapshot))
     again = rebuilt.state()
