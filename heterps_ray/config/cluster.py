@@ -73,6 +73,18 @@ class ResourceType(BaseModel):
         "tier, DESIGN.md 'Table tiers'; default: as profiled, else measured by the actor: its device's "
         "free memory less a reserve)",
     )
+    disk_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GiB of sparse-table rows one actor of this type may keep on its node's local disk, "
+        "under disk_dir (the disk tier, DESIGN.md 'Table tiers'; the planner puts a table there when the "
+        "PS type's memory cannot hold it; default: no disk)",
+    )
+    disk_dir: str | None = Field(
+        None,
+        description="with disk_gb: an absolute path on each node of this type, on its local disk, where PS "
+        "shards keep their rows beyond their table memory (each job in a folder of its own)",
+    )
     omp_wait_policy: Literal["auto", "passive", "active"] = Field(
         "auto",
         description="how torch's OpenMP threads wait between parallel regions: passive sleeps (where actors "
@@ -147,6 +159,23 @@ class _OptionsCheck:
     """An actor class that is never started: Ray checks a type's actor options against it."""
 
 
+def _check_disk(rtype: ResourceType, index: int) -> None:
+    """A type's local disk is declared whole (disk_gb and disk_dir, or neither), at an absolute path."""
+    field = f"resource_types.{index}"
+    if rtype.disk_gb is not None and not rtype.disk_dir:
+        raise ConfigError(
+            None, f"{field}.disk_dir", "an absolute path on the type's local disk with disk_gb", rtype.disk_dir
+        )
+    if rtype.disk_dir is not None and rtype.disk_gb is None:
+        raise ConfigError(
+            None, f"{field}.disk_gb", "GiB of rows one actor may keep on disk with disk_dir", None
+        )
+    if rtype.disk_dir is not None and not rtype.disk_dir.startswith("/"):
+        raise ConfigError(
+            None, f"{field}.disk_dir", "an absolute path (each node's own local disk)", rtype.disk_dir
+        )
+
+
 class PSConfig(BaseModel):
     model_config = _STRICT
 
@@ -190,6 +219,7 @@ class ClusterConfig(BaseModel):
         if self.ps.resource is not None and self.ps.resource not in names:
             raise ValueError(f"ps.resource {self.ps.resource!r} is not a resource type (known: {names})")
         for i, t in enumerate(self.resource_types):
+            _check_disk(t, i)
             if t.node_memory_gb is None:
                 continue
             if t.table_memory_gb is not None and t.table_memory_gb > t.node_memory_gb:
