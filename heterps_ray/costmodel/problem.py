@@ -86,6 +86,19 @@ class PSTable(BaseModel):
         "(where every row fits, all but each row's first; less for a cache, from the data's key popularity; "
         "absent: 1)",
     )
+    disk_gb: float | None = Field(
+        None,
+        gt=0,
+        description="the PS type's disk_gb where the table goes to disk (its memory cannot hold it)",
+    )
+    disk_rows: int = Field(0, ge=0, description="expected rows on the PS shards' disks, all shards together")
+    ram_hit_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="with disk_rows: the share of key lookups the shards' RAM serves (from the data's key "
+        "popularity)",
+    )
     notes: str | None = None
 
 

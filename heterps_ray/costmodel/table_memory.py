@@ -34,13 +34,14 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
+from heterps_ray.costmodel.table_disk import DiskPlan, disk_figure, disk_plan
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
 from heterps_ray.ps.row_bytes import CANDIDATE_BYTES, INDEX_BYTES, device_rows_within, stored_bytes_per_row
 from heterps_ray.ps.spec import sparse_spec
@@ -62,10 +63,18 @@ class TableEstimate:
     notes: tuple[str, ...] = ()
     waiting: int = 0  # keys seen but not admitted (admission): a candidate each, no row
     bytes_per_waiting: float = 0.0
+    disk: DiskPlan | None = None  # the PS type's memory cannot hold it: hot rows in RAM, the rest on disk
 
     @property
     def total_bytes(self) -> float:
         return self.rows * self.bytes_per_row + self.waiting * self.bytes_per_waiting
+
+    def shards_within(self, budget_bytes: float) -> int:
+        """The PS shards that hold it, each with `budget_bytes` of table memory (and its disk, if it went
+        there)."""
+        if self.disk is not None:
+            return self.disk.shards
+        return shards_needed(self.total_bytes, budget_bytes, self.shard_cap_bytes)
 
     def figure(self) -> str:
         """'R expected rows x B B/row (+ W keys waiting for admission x b B) = X GiB', for messages."""
@@ -172,7 +181,7 @@ def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | No
     cap = job.table.max_shard_mb * 2**20 if job.table.max_shard_mb else math.inf
     if job.table.max_shard_mb:
         notes.append(f"each shard capped at table.max_shard_mb = {job.table.max_shard_mb:g} MiB")
-    return TableEstimate(
+    estimate = TableEstimate(
         rows,
         stored_bytes_per_row(dim, spec.optimizer, tracked),
         cap,
@@ -180,6 +189,11 @@ def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | No
         waiting,
         BYTES_PER_WAITING if waiting else 0.0,
     )
+    ps = job.cluster.ps_resource
+    budget = job.cluster.table_memory_gb(ps) * GIB
+    if shards_needed(estimate.total_bytes, budget, cap) <= job.cluster.type(ps).max_instances:
+        return estimate  # RAM holds it
+    return replace(estimate, disk=disk_plan(job, rows, dim, spec.optimizer))
 
 
 def shards_needed(table_bytes: float, budget_bytes: float, shard_cap_bytes: float = math.inf) -> int:
@@ -202,12 +216,16 @@ def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
     per type, shards_needed on the PS type (and shard_cap_gb, notes)."""
     budgets = budgets_gb(job)
     budget = budgets[job.cluster.ps_resource] * GIB
+    disk = estimate.disk
     section: dict[str, Any] = {
         "rows": estimate.rows,
         "bytes_per_row": round(estimate.bytes_per_row, 2),
         "budget_gb": budgets,
-        "shards_needed": shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes),
+        "shards_needed": estimate.shards_within(budget),
     }
+    if disk is not None:
+        on_disk = disk.split(disk.shards).disk_rows * disk.shards if disk.shards < NO_SHARD_COUNT else 0
+        section.update(disk_rows=on_disk, ram_hit_rate=round(disk.hit_rate, 4), disk_gb=disk.disk_gb)
     if estimate.waiting:
         section["waiting"] = estimate.waiting
         section["bytes_per_waiting"] = round(estimate.bytes_per_waiting, 2)
@@ -258,14 +276,17 @@ def with_table(
     return data
 
 
-def figures(table: PSTable, ps_type: str, cap: int) -> str:
-    """The figures of a table that no plan (or a given plan) can hold, for the refusal's message."""
+def figures(table: PSTable, ps_type: str, cap: int, disk: str = "") -> str:
+    """The figures of a table that no plan (or a given plan) can hold, for the refusal's message (`disk`:
+    why the PS type's disk cannot hold it either, from its DiskPlan; else from the table's own fields)."""
     budgets = ", ".join(f"{name} {gb:.2f} GiB" for name, gb in table.budget_gb.items())
     figure = table_figure(table.rows, table.bytes_per_row, table.waiting, table.bytes_per_waiting)
     line = (
         f"the sparse table's {figure} need {table.shards_needed:,} PS shards on {ps_type!r} (table budget "
         f"per actor: {budgets}; {ps_type!r} has max_instances {cap})"
     )
+    if disk or table.disk_gb is not None:
+        line += f"; {disk or disk_figure(table)}"
     if table.notes:
         line += f"; {table.notes}"
     return line
@@ -287,17 +308,19 @@ def check_job_table(job: JobConfig, estimate: TableEstimate | None, file: str | 
     if estimate is not None:
         table = PSTable.model_validate(table_section(job, estimate))
         ps_type = job.cluster.ps_resource
-        _refuse_unholdable(
-            table, ps_type, job.cluster.type(ps_type).max_instances, file or f"job {job.name!r}"
-        )
+        cap = job.cluster.type(ps_type).max_instances
+        shortfall = estimate.disk.shortfall(cap) if estimate.disk is not None else ""
+        _refuse_unholdable(table, ps_type, cap, file or f"job {job.name!r}", shortfall)
 
 
-def _refuse_unholdable(table: PSTable, ps_type: str, cap: int, file: str) -> None:
+def _refuse_unholdable(table: PSTable, ps_type: str, cap: int, file: str, disk: str = "") -> None:
+    """`disk`: where the table went to disk, why `cap` shards' disks cannot hold it (else figures' own)."""
     if table.shards_needed > cap:
         raise InfeasibleError(
-            f"{file}: no plan can hold the table: {figures(table, ps_type, cap)}. Possible fixes: "
+            f"{file}: no plan can hold the table: {figures(table, ps_type, cap, disk)}. Possible fixes: "
             "(1) raise the PS type's max_instances or table_memory_gb / node_memory_gb in the cluster "
-            "config; (2) cap the table (table.max_shard_mb, table.ttl_batches); (3) a smaller embedding_dim",
+            "config, or give it a local disk (disk_gb and disk_dir; a larger disk_gb); (2) cap the table "
+            "(table.max_shard_mb, table.ttl_batches); (3) a smaller embedding_dim",
             0.0,
         )
 
@@ -316,13 +339,13 @@ def check_plan_holds(
 ) -> None:
     """Refuse (ConfigError, exit 2) a plan whose `num_shards` shard actors on the PS type cannot hold
     `job`'s table within the type's table budget."""
-    if estimate is None:
+    if estimate is None or (estimate.disk is not None and num_shards >= estimate.disk.shards):
         return
     budget = job.cluster.table_memory_gb(job.cluster.ps_resource) * GIB
     per_shard = min(estimate.total_bytes / num_shards, estimate.shard_cap_bytes)
     if per_shard <= budget:
         return
-    need = shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes)
+    need = estimate.shards_within(budget)
     raise ConfigError(
         plan_file,
         "ps_shards",
@@ -377,6 +400,8 @@ def table_place(
     (runtime_terms.table_rate)."""
     rtype = job.cluster.type(stage0_type)
     ps = job.cluster.ps_resource
+    if not hosted and estimate is not None and estimate.disk is not None:  # shard actors, the PS type's disk
+        return TablePlace("ps", ps, why=estimate.disk.describe())
     if rtype.device != "cuda":
         return TablePlace("ps", ps)
     if gpu_table_setting(job) == "off":
@@ -421,11 +446,16 @@ HIT_RATE_SAMPLE_ROWS = (
 def gpu_hit_rate(job: JobConfig, capacity: int, rows: int, lookups: float) -> float:
     """The share of key lookups a GPU memory of `capacity` rows serves for `job`'s table of `rows`
     expected rows over the run's `lookups`: where they fit, all but each row's first lookup (it comes
-    from the shards); else an LRU cache's hit rate under the data's key popularity (Che's approximation,
-    over the keys of the first HIT_RATE_SAMPLE_ROWS training rows, the capacity scaled to the share of the
-    table they hold)."""
+    from the shards); else an LRU cache's (:func:`cache_hit_rate`)."""
     if capacity >= rows:
         return max(1.0 - rows / lookups, 0.0) if lookups > 0 else 1.0
+    return cache_hit_rate(job, capacity, rows)
+
+
+def cache_hit_rate(job: JobConfig, capacity: int, rows: int) -> float:
+    """The share of key lookups an LRU cache of `capacity` rows serves for `job`'s table of `rows`
+    expected rows: Che's approximation over the keys of the first HIT_RATE_SAMPLE_ROWS training rows,
+    the capacity scaled to the share of the table they hold."""
     from heterps_ray.data.dataset import Dataset
 
     keys = []

@@ -53,7 +53,7 @@ _FILE = "rows.{generation}.dat"
 # in, the old and the new key array side by side (8 B more).
 INDEX_BYTES_PEAK = 8 + 4 + 1 + 8
 # The RAM tier keeps at least this share of its budget in rows, however big the index grows.
-_MIN_RAM_SHARE = 1 / 8
+MIN_RAM_SHARE = 1 / 8
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter (malloc.h)
 # Compact when the file holds this many times the live records (and at least this many records).
 _COMPACT_RATIO = 3.0
@@ -62,6 +62,13 @@ _COMPACT_MIN_RECORDS = 1 << 16
 # table.disk_reads_in_flight): a read from the device waits on it, not on the CPU, and the device serves
 # many at once (BENCHMARKS.md "The disk tier": rows/s by reads in flight).
 READS_IN_FLIGHT = 32
+
+
+def peak_file_bytes(live_rows: int, record_bytes: int) -> int:
+    """The most bytes a table's files on disk reach for `live_rows` live rows: the file at the point
+    where it is compacted (dead records and all) and the new file the compaction writes beside it."""
+    at_compaction = max(int(_COMPACT_RATIO * live_rows), _COMPACT_MIN_RECORDS) if live_rows else 0
+    return (at_compaction + live_rows) * record_bytes
 
 
 def record_dtype(dim: int, acc_width: int) -> np.dtype:
@@ -327,7 +334,7 @@ class DiskTier:
     def ram_cap(self) -> int:
         """Rows RAM may hold now: the budget less the disk index's share, at least 1/8 of it."""
         index = int(self.disk.live_count * self._index_rows_per_disk_row)
-        floor = max(1, int(self.ram_rows * _MIN_RAM_SHARE))
+        floor = max(1, int(self.ram_rows * MIN_RAM_SHARE))
         if self.ram_rows - index < floor and not self.index_outgrew:
             self.index_outgrew = True
             warnings.warn(
