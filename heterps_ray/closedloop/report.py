@@ -92,9 +92,7 @@ class RunReport:
             shown = ", ".join("?" if s is None else f"{s:.1f} s" for s in restarts)
             lines.append(f"  re-plans    first batch {shown} after the decision")
         if self.sparse_table.get("place"):
-            hits = self.sparse_table.get("hit_rate")
-            lines.append(f"  table       {self.sparse_table['place']}"
-                         + (f"; {hits:.1%} of lookups served there" if hits is not None else ""))  # fmt: skip
+            lines.append(f"  table       {self.sparse_table['place']}{_table_measured(self.sparse_table)}")
         if self.auc is not None:
             lines.append(f"  model       AUC {self.auc:.4f}, logloss {self.logloss:.4f}")
         if self.node_requests:
@@ -214,3 +212,15 @@ def predicted_range(plan: Plan, spread: dict[str, float]) -> list[float] | None:
     if widest is None:
         return None
     return [round(plan.throughput * (1.0 - widest), 1), round(plan.throughput * (1.0 + widest), 1)]
+
+
+def _table_measured(table: dict[str, Any]) -> str:
+    """What the run measured of where its rows lived: the GPU tier's hit rate; with a disk tier, the
+    rows in the shards' RAM and on their disks at the end and the share of lookups RAM served."""
+    hits = table.get("hit_rate")
+    shown = f"; {hits:.1%} of lookups served there" if hits is not None else ""
+    if "disk_rows" in table:
+        ram_hits = table.get("ram_hit_rate")
+        shown += f"; measured: {table['ram_rows']:,} rows in RAM, {table['disk_rows']:,} on disk"
+        shown += f", {ram_hits:.1%} of lookups from RAM" if ram_hits is not None else ""
+    return shown

@@ -13,7 +13,7 @@ import hashlib
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -60,24 +60,42 @@ class TableSpec:
         return replace(self, disk_dir=str(folder))
 
 
-def job_disk_folder(job: JobConfig) -> Path:
-    """Where `job`'s rows on disk go under ``table.disk_dir``: a folder named by the job and a digest of
-    its output_dir, so that two jobs given one disk_dir (or one job run into two output dirs) never
-    touch each other's files (a shard's table starts by unlinking the files in its folder)."""
+class PlannedDisk(Protocol):
+    """The planner's disk tier for a table (costmodel/table_disk.py DiskPlan): each shard's RAM budget
+    in rows and the PS type's disk_dir."""
+
+    @property
+    def ram_rows(self) -> int: ...
+
+    @property
+    def disk_dir(self) -> str: ...
+
+
+def job_disk_folder(job: JobConfig, disk_dir: str | None = None) -> Path:
+    """Where `job`'s rows on disk go under `disk_dir` (default ``table.disk_dir``): a folder named by
+    the job and a digest of its output_dir, so that two jobs given one disk_dir (or one job run into two
+    output dirs) never touch each other's files (a shard's table starts by unlinking the files in its
+    folder)."""
     digest = hashlib.sha1(str(Path(job.output_dir).resolve()).encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", job.name)[:40]
-    return Path(job.table.disk_dir) / f"{name}-{digest}"
+    return Path(disk_dir or job.table.disk_dir) / f"{name}-{digest}"
 
 
-def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
+def sparse_spec(job: JobConfig, dim: int, init_scale: float, disk: PlannedDisk | None = None) -> TableSpec:
     """The TableSpec of a job's sparse table: the job's Adagrad settings and its ``table:`` section
-    (admission, TTL in batches, each shard's memory cap as a row cap, eviction order)."""
+    (admission, TTL in batches, each shard's memory cap as a row cap, eviction order, its disk tier).
+    `disk`: the plan's disk tier, for shard actors on a PS type that declares a disk (the job's own
+    ``table.disk_dir`` and ``ram_mb`` win)."""
     settings = job.table
     max_rows = ram_rows = 0
+    disk_dir = ""
     if settings.max_shard_mb:
         max_rows = max_rows_for(settings.max_shard_mb * 2**20, dim, admit_after=settings.admit_after)
     if settings.disk_dir:
         ram_rows = max_rows_for(settings.ram_mb * 2**20, dim, admit_after=settings.admit_after)
+        disk_dir = str(job_disk_folder(job))
+    elif disk is not None:
+        ram_rows, disk_dir = disk.ram_rows, str(job_disk_folder(job, disk.disk_dir))
     return TableSpec(
         dim=dim,
         seed=job.seed,
@@ -89,6 +107,6 @@ def sparse_spec(job: JobConfig, dim: int, init_scale: float) -> TableSpec:
         max_rows=max_rows,
         evict=settings.evict,
         ram_rows=ram_rows,
-        disk_dir=str(job_disk_folder(job)) if settings.disk_dir else "",
+        disk_dir=disk_dir,
         disk_reads_in_flight=settings.disk_reads_in_flight,
     )

@@ -95,14 +95,18 @@ class ActorSet:
                 "(stage 0 replicas); write more Parquet parts or use fewer replicas"
             )
         self.files = files
-        self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale)
         self.hosted = hosts_shards(job, stages, num_shards, estimate)
+        # shard actors on a PS type whose memory cannot hold the table keep the rest on its disk, as
+        # planned (hosted shards hold it all in stage 0's memory: that is what hosting them needs)
+        disk = estimate.disk if estimate is not None and not self.hosted else None
+        self.table = sparse_spec(job, model.embedding_dim, model.embedding_init_scale, disk)
         # where the rows live: stage 0's GPU memory (in front of the shards) or the shards alone, as the
         # plan's price has them (`table`; None: the runtime's rule, which is the price's)
+        placed = table_place(job, stages[0].type, self.hosted, estimate, model.embedding_dim)
         self.place: TablePlace = (
             TablePlace("ps", job.cluster.ps_resource, why="the plan keeps them there")
-            if table == "ps"
-            else table_place(job, stages[0].type, self.hosted, estimate, model.embedding_dim)
+            if table == "ps" and placed.place != "ps"
+            else placed
         )
         self.mode = mode_of(job.mode)  # the one place the run's mode is chosen (modes.py)
         self.shards: list[ShardHandle] = []
@@ -342,7 +346,23 @@ class ActorSet:
         if "hits" in out:
             looked = out["hits"] + out["misses"]
             out["hit_rate"] = out["hits"] / looked if looked else None
+        if self.table.disk_dir:
+            out.update(self._disk_stats())
         return out
+
+    def _disk_stats(self) -> dict[str, Any]:
+        """The shards' disk tier, summed: rows in RAM and on disk now, and the share of lookups whose
+        row was in RAM (``ram_hit_rate``)."""
+        shards = self.ps_stats()
+        tables = [s["disk"][SPARSE_TABLE] for s in shards if SPARSE_TABLE in s.get("disk", {})]
+        rows = [s["rows"][SPARSE_TABLE] for s in shards]
+        on_disk = sum(int(t["disk_rows"]) for t in tables)
+        hits, misses = sum(int(t["disk_hits"]) for t in tables), sum(int(t["disk_misses"]) for t in tables)
+        return {
+            "ram_rows": sum(rows) - on_disk,
+            "disk_rows": on_disk,
+            "ram_hit_rate": hits / (hits + misses) if hits + misses else None,
+        }
 
     def ps_stats(self) -> list[dict[str, Any]]:
         return ray.get([s.stats() for s in self.shards])
