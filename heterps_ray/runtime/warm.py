@@ -63,6 +63,10 @@ class _Pool:
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
         self._holds = 0  # open hold()s: while any, no idle actor expires
+        # actors this pool started, not yet known placed: (their ready ref, bundle). Ray's available
+        # resources count an actor only once it is scheduled, so two spawned in a row would both see
+        # the first one's resources free, and the second wait behind an idle actor forever
+        self._starting: list[tuple[Any, dict[str, float]]] = []
         self.reused = 0  # actors reconfigured instead of started (counts(): what the tests check)
         self.started = 0
 
@@ -81,9 +85,13 @@ class _Pool:
                 raise
             self.reused += 1
             return entry.handle
-        self._make_room(_bundle(options))
+        bundle = _bundle(options)
+        self._make_room(bundle)
         self.started += 1
-        return ray.remote(cls if args else blank_class(cls)).options(**options).remote(*args)
+        handle: Any = ray.remote(cls if args else blank_class(cls)).options(**options).remote(*args)
+        with self._lock:
+            self._starting.append((handle.__ray_ready__.remote(), bundle))
+        return handle
 
     def keep(self, handle: Any, cls: type, options: dict[str, Any]) -> None:
         with self._lock:
@@ -138,7 +146,10 @@ class _Pool:
 
     def _make_room(self, bundle: dict[str, float]) -> None:
         """Kill idle actors (longest idle first) holding what a new actor asks for and Ray lacks."""
-        free = ray.available_resources()
+        free = dict(ray.available_resources())
+        for demand in self._still_starting():  # counted as taken (some may be already: then a spare goes)
+            for k, v in demand.items():
+                free[k] = free.get(k, 0.0) - v
         short = {k: v - free.get(k, 0.0) for k, v in bundle.items() if v - free.get(k, 0.0) > 1e-9}
         if not short:
             return
@@ -158,11 +169,25 @@ class _Pool:
         for entry in going:
             _kill(entry.handle)
 
+    def _still_starting(self) -> list[dict[str, float]]:
+        """The bundles of the actors this pool started that are not placed yet (forgetting the rest)."""
+        with self._lock:
+            self._check_session()
+            starting = list(self._starting)
+        if not starting:
+            return []
+        refs = [ref for ref, _ in starting]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        waiting = set(pending)
+        with self._lock:
+            self._starting = [(ref, b) for ref, b in self._starting if ref in waiting or ref not in refs]
+        return [b for ref, b in starting if ref in waiting]
+
     def _check_session(self) -> None:
         """Forget handles of an earlier Ray session (ray.shutdown took those actors with it)."""
         session = _session()
         if session != self._session:
-            self._idle, self._session = [], session
+            self._idle, self._starting, self._session = [], [], session
 
     def _sweep(self) -> None:
         while True:
