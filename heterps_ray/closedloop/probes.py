@@ -86,8 +86,14 @@ def run_probe(
         seconds=0.0,
         batch_size=job.batch_size,
     )
+    # a probe times the layers: its table (a few hundred batches' rows) is not held to the run's table
+    # budget, which the plan meets with its own shard count (or the PS type's disk); 1 shard could not
+    cluster = job.cluster.model_copy(
+        update={"resource_types": [t.model_copy(update={"table_memory_gb": None}) for t in job.cluster.resource_types]}
+    )
     probe_job = job.model_copy(
         update={
+            "cluster": cluster,
             "mode": "sync",
             "runtime": job.runtime.model_copy(
                 update={"micro_batches": 1, "batches_ahead": 0, "ps_hosting": "auto", "checkpoint_every": 0, "checkpoint_interval_s": 0,
