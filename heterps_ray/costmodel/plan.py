@@ -113,7 +113,8 @@ class Plan:
             table_place=table.place if table is not None else None,
             table_type=stages[0].type if table is not None and table.place != "ps" else problem.ps_resource,
             table_ms=table.ms_per_row * rows_per_batch if table is not None else None,
-            table_hit_rate=table.hit_rate if table is not None and table.place != "ps" else None,
+            # the GPU tier's hits, or on shards with a disk tier, their RAM's
+            table_hit_rate=table.hit_rate if table is not None and (table.place != "ps" or table.hit_rate < 1) else None,
             ps_hosted=evaluation.runtime is not None and evaluation.runtime.ps_hosted,
         )
 
@@ -229,7 +230,8 @@ class Plan:
         """Where the rows live and at what rate: the shard actors' own rate, or, where stage 0 holds
         them (hosted shards, its GPU's memory), its ms a batch for them and the rate that alone allows."""
         if self.table_place in ("ps", None) and not self.ps_hosted:
-            return f"{'ps':<6} {'(parameter server)':<28} {self.ps_type:<10} {self.ps_shards:>8} {'-':>16} {_num(self.ps_throughput):>23}"
+            what = "(parameter server)" if self.table_hit_rate is None else f"(RAM + disk, {self.table_hit_rate:.1%} RAM hits)"
+            return f"{'ps':<6} {what:<28} {self.ps_type:<10} {self.ps_shards:>8} {'-':>16} {_num(self.ps_throughput):>23}"
         if self.table_place in ("ps", None):
             where, count = f"{self.ps_shards} PS shard(s) in stage 0", self.ps_shards
         else:

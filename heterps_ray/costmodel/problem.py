@@ -203,6 +203,13 @@ class RuntimeTerms(BaseModel):
         description="per cuda type: ms per row its GPU memory does not hold (fetched from the shards, "
         "written back when it leaves)",
     )
+    disk_ms_per_row: float = Field(
+        0.0,
+        ge=0,
+        description="ms a DataWorker waits per sparse row of a batch that the PS shards' RAM does not hold "
+        "(ps.table.disk_rows: read from their disk tier, its rows written back when they leave; the profiler "
+        "does not measure it yet: 0 prices such a row as one in RAM)",
+    )
 
     @property
     def in_flight(self) -> int:

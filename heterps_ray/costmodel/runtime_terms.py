@@ -14,7 +14,9 @@ Per micro-batch of ``b = B / K`` samples (``K`` = micro-batches), for stage ``j`
   ``ps_hosted_ms_per_row`` when it hosts the shards itself (``ps_hosting: auto``, one DataWorker, no
   replicated stage), and, hosting them on a cuda type with a measured ``gpu_table_ms_per_row``, that
   per row with the rows in its GPU memory, plus ``gpu_miss_ms_per_row`` for the share its GPU memory
-  does not serve (``ps.table.gpu_hit_rate``: a cache in front of the shards);
+  does not serve (``ps.table.gpu_hit_rate``: a cache in front of the shards); shard actors whose RAM
+  cannot hold the table (``ps.table.disk_rows``) add ``disk_ms_per_row`` for the share of rows their RAM
+  misses (``1 - ps.table.ram_hit_rate``);
 * ``busy_j`` = all of the above that stage ``j``'s actor spends per micro-batch.
 
 A DataWorker waits for a micro-batch's round through every stage: ``loop = Σ_j busy_j`` plus the
@@ -63,12 +65,16 @@ class TableRate:
 def table_rate(problem: Problem, terms: RuntimeTerms, type_name: str, hosted: bool) -> TableRate:
     """The place and per-row cost of the rows of a plan whose stage 0 runs on `type_name`: in its GPU's
     memory when the plan hosts its shards (one DataWorker trains: a row it holds is the row), the type's
-    tier was measured (``gpu_table_ms_per_row``) and ``gpu_table`` is auto; else on the shards. The
-    runtime places them by the same rule (costmodel/table_memory.table_place)."""
+    tier was measured (``gpu_table_ms_per_row``) and ``gpu_table`` is auto; else on the shards, where
+    shard actors whose RAM cannot hold the table (``ps.table.disk_rows``) add the rows RAM misses at
+    ``disk_ms_per_row``. The runtime places them by the same rule (costmodel/table_memory.table_place)."""
     shards = TableRate("ps", terms.ps_hosted_ms_per_row if hosted else terms.ps_wait_ms_per_row)
+    table = problem.ps.table
+    if not hosted and table is not None and table.disk_rows:  # the shards' hot rows in RAM, the rest on disk
+        miss = (1.0 - table.ram_hit_rate) * terms.disk_ms_per_row
+        return TableRate("ps", shards.ms_per_row + miss, table.ram_hit_rate)
     if not hosted or terms.gpu_table != "auto" or type_name not in terms.gpu_table_ms_per_row:
         return shards
-    table = problem.ps.table
     if table is not None and table.gpu_rows.get(type_name, 1) < 1:
         return shards
     hit = table.gpu_hit_rate.get(type_name, 1.0) if table is not None else 1.0
