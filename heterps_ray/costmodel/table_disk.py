@@ -20,7 +20,7 @@ keys are hashed evenly over the shards.
 
 Example::
 
-    disk = disk_plan(job, rows=37_900, dim=8, optimizer="adagrad")  # None: the PS type has no disk
+    disk = disk_plan(job, estimate_table(job), dim=9, optimizer="adagrad")  # None: RAM holds it
     disk.shards, disk.split(disk.shards).disk_rows, disk.hit_rate
 """
 
@@ -29,11 +29,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, MIN_RAM_SHARE, peak_file_bytes, record_dtype
 from heterps_ray.ps.row_bytes import max_rows_for, stored_bytes_per_row
+
+if TYPE_CHECKING:
+    from heterps_ray.costmodel.table_memory import TableEstimate
 
 GIB = 2**30
 SHARDS_LIMIT = 2**31 - 1  # the search's bound: more shards than any type has
@@ -83,6 +87,11 @@ class DiskPlan:
         hot_ok = split.disk_rows == 0 or split.hot_rows >= self.hot_floor
         return self.ram_rows >= 1 and hot_ok and split.disk_bytes <= self.disk_gb * GIB
 
+    def section(self) -> dict[str, Any]:
+        """Its fields of the problem's ``ps.table``: disk_rows (all shards), ram_hit_rate, disk_gb."""
+        on_disk = self.split(self.shards).disk_rows * self.shards if self.shards < SHARDS_LIMIT else 0
+        return {"disk_rows": on_disk, "ram_hit_rate": round(self.hit_rate, 4), "disk_gb": self.disk_gb}
+
     def describe(self) -> str:
         """'hot rows in RAM, the rest on disk under D: per shard ~H rows in RAM, ~R on disk; ~h of the
         lookups served from RAM (estimated)', for the plan and the run report."""
@@ -103,20 +112,23 @@ class DiskPlan:
         )
 
 
-def disk_plan(job: JobConfig, rows: int, dim: int, optimizer: str) -> DiskPlan | None:
-    """Where `job`'s table of `rows` expected rows (embedding `dim`, sparse `optimizer`) goes on disk,
-    called where the PS type's memory cannot hold it: None where the type declares no disk, the job
-    keeps its own disk tier (``table.disk_dir``), or the shards expire or cap their rows (no disk tier
-    then)."""
-    from heterps_ray.costmodel.table_memory import cache_hit_rate  # it sizes the table: imports this
+def disk_plan(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str) -> DiskPlan | None:
+    """Where `job`'s table (`estimate`, embedding `dim`, sparse `optimizer`) goes on disk: None where the
+    PS type's memory holds it within its max_instances, the type declares no disk, the job keeps its own
+    disk tier (``table.disk_dir``), or the shards expire or cap their rows (no disk tier then)."""
+    # table_memory sizes the table and imports this module
+    from heterps_ray.costmodel.table_memory import cache_hit_rate, shards_needed
 
     cluster, settings = job.cluster, job.table
     ps = cluster.type(cluster.ps_resource)
+    budget = cluster.table_memory_gb(ps.name) * GIB
+    if shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes) <= ps.max_instances:
+        return None  # RAM holds it
     if ps.disk_gb is None or ps.disk_dir is None or settings.disk_dir:
         return None
     if settings.ttl_batches or settings.max_shard_mb:
         return None
-    budget = cluster.table_memory_gb(ps.name) * GIB
+    rows = estimate.rows
     plan = DiskPlan(
         rows,
         max_rows_for(budget, dim, optimizer, admit_after=settings.admit_after) if budget > 0 else 0,

@@ -70,8 +70,7 @@ class TableEstimate:
         return self.rows * self.bytes_per_row + self.waiting * self.bytes_per_waiting
 
     def shards_within(self, budget_bytes: float) -> int:
-        """The PS shards that hold it, each with `budget_bytes` of table memory (and its disk, if it went
-        there)."""
+        """The PS shards that hold it, each with `budget_bytes` of table memory (and its disk, if there)."""
         if self.disk is not None:
             return self.disk.shards
         return shards_needed(self.total_bytes, budget_bytes, self.shard_cap_bytes)
@@ -189,11 +188,7 @@ def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | No
         waiting,
         BYTES_PER_WAITING if waiting else 0.0,
     )
-    ps = job.cluster.ps_resource
-    budget = job.cluster.table_memory_gb(ps) * GIB
-    if shards_needed(estimate.total_bytes, budget, cap) <= job.cluster.type(ps).max_instances:
-        return estimate  # RAM holds it
-    return replace(estimate, disk=disk_plan(job, rows, dim, spec.optimizer))
+    return replace(estimate, disk=disk_plan(job, estimate, dim, spec.optimizer))
 
 
 def shards_needed(table_bytes: float, budget_bytes: float, shard_cap_bytes: float = math.inf) -> int:
@@ -216,16 +211,14 @@ def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
     per type, shards_needed on the PS type (and shard_cap_gb, notes)."""
     budgets = budgets_gb(job)
     budget = budgets[job.cluster.ps_resource] * GIB
-    disk = estimate.disk
     section: dict[str, Any] = {
         "rows": estimate.rows,
         "bytes_per_row": round(estimate.bytes_per_row, 2),
         "budget_gb": budgets,
         "shards_needed": estimate.shards_within(budget),
     }
-    if disk is not None:
-        on_disk = disk.split(disk.shards).disk_rows * disk.shards if disk.shards < NO_SHARD_COUNT else 0
-        section.update(disk_rows=on_disk, ram_hit_rate=round(disk.hit_rate, 4), disk_gb=disk.disk_gb)
+    if estimate.disk is not None:
+        section.update(estimate.disk.section())
     if estimate.waiting:
         section["waiting"] = estimate.waiting
         section["bytes_per_waiting"] = round(estimate.bytes_per_waiting, 2)
