@@ -212,6 +212,10 @@ def test_default_budget_splits_the_node_over_its_actors_after_the_store_driver_a
         ({"node_memory_gb": 0}, "resource_types.0.node_memory_gb"),
         ({"node_memory_gb": 2.5}, "resource_types.0.node_memory_gb"),  # nothing left for tables
         ({"node_memory_gb": 8, "table_memory_gb": 9}, "resource_types.0.table_memory_gb"),
+        ({"disk_gb": 10}, "resource_types.0.disk_dir"),  # a disk is declared whole: both or neither
+        ({"disk_dir": "/mnt/ssd"}, "resource_types.0.disk_gb"),
+        ({"disk_gb": 10, "disk_dir": "ssd"}, "resource_types.0.disk_dir"),  # each node's own path
+        ({"disk_gb": 0, "disk_dir": "/mnt/ssd"}, "resource_types.0.disk_gb"),
     ],
 )
 def test_bad_memory_fields_name_the_file_and_field(tmp_path, change, field):

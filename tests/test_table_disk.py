@@ -1,0 +1,176 @@
+"""The planner chooses the disk (costmodel/table_disk.py): a table the PS type's memory cannot hold goes
+to the type's local disk (disk_gb, disk_dir in the cluster file), with the fewest shards whose disks hold
+the rows beyond RAM; a table the disk cannot hold either is refused with its figures (exit 3); the shard
+actors get the type's disk without table.ram_mb, and `heterps run` trains the quickstart job on disk to
+the AUC it reaches in RAM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from heterps_ray.config import load_job
+from heterps_ray.costmodel import load_problem, problem_from_dict
+from heterps_ray.costmodel.problem import RuntimeTerms
+from heterps_ray.costmodel.runtime_terms import table_rate
+from heterps_ray.costmodel.table_memory import GIB, check_job_table, estimate_table, table_section
+from heterps_ray.data.synth import synthesize
+from heterps_ray.errors import InfeasibleError
+from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK
+from heterps_ray.ps.row_bytes import stored_bytes_per_row
+from heterps_ray.ps.spec import job_disk_folder, sparse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "configs" / "jobs" / "quickstart.yaml"
+TIGHT_GB = 0.0005  # the PS type's table memory: the quickstart table needs 8 shards in RAM, cpu_small has 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """20,000 synthetic rows: a table of ~4,000 rows (admission on)."""
+    path = tmp_path_factory.mktemp("disk") / "data"
+    synthesize(path, 20_000, seed=5)
+    return path
+
+
+def _cluster(tmp_path: Path, table_memory_gb: float | None, disk_gb: float | None) -> Path:
+    """configs/clusters/local.yaml with the PS type (cpu_small) given this table memory and disk."""
+    cluster = yaml.safe_load((REPO / "configs" / "clusters" / "local.yaml").read_text())
+    ps = cluster["resource_types"][0]
+    assert ps["name"] == cluster["ps"]["resource"] == "cpu_small"
+    if table_memory_gb is not None:
+        ps["table_memory_gb"] = table_memory_gb
+    if disk_gb is not None:
+        ps.update(disk_gb=disk_gb, disk_dir=str(tmp_path / "ps-disk"))
+    path = tmp_path / f"cluster-{table_memory_gb}-{disk_gb}.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    return path
+
+
+def _job(tmp_path: Path, data: Path, table_memory_gb: float | None, disk_gb: float | None, **changes: Any):
+    return load_job(
+        QUICKSTART,
+        {
+            "data.path": str(data),
+            "cluster": str(_cluster(tmp_path, table_memory_gb, disk_gb)),
+            "output_dir": str(tmp_path / "out"),
+            **changes,
+        },
+    )
+
+
+def test_a_table_over_the_ps_types_memory_goes_to_its_disk_with_the_fewest_shards(data, tmp_path):
+    job = _job(tmp_path, data, 0.0001, 1.0)
+    estimate = estimate_table(job)
+    assert estimate is not None and estimate.disk is not None
+    disk = estimate.disk
+    cap = job.cluster.type("cpu_small").max_instances
+    assert 1 <= disk.shards <= cap and disk.holds(disk.shards)
+    assert disk.shards == 1 or not disk.holds(disk.shards - 1)  # the fewest
+    split = disk.split(disk.shards)
+    assert split.hot_rows + split.disk_rows >= estimate.rows / disk.shards  # every row somewhere
+    assert split.disk_rows > 0 and split.disk_bytes <= 1.0 * GIB
+    # RAM keeps the budget less the disk rows' index (21 B each, counted in rows of the tier's cost)
+    index = split.disk_rows * INDEX_BYTES_PEAK / stored_bytes_per_row(9, tracked=True)
+    assert split.hot_rows == pytest.approx(disk.ram_rows - index, abs=2)
+    assert 0.0 < disk.hit_rate < 1.0  # the hot set serves some lookups, never the first of a key
+    section = table_section(job, estimate)
+    assert section["shards_needed"] == disk.shards and section["disk_gb"] == 1.0
+    assert section["disk_rows"] == split.disk_rows * disk.shards
+    check_job_table(job, estimate)  # held: not refused
+    # in RAM where RAM holds it, as before; refused where the type has no disk
+    assert estimate_table(_job(tmp_path, data, None, 1.0)).disk is None
+    no_disk = _job(tmp_path, data, 0.0001, None)
+    with pytest.raises(InfeasibleError, match="no plan can hold the table"):
+        check_job_table(no_disk, estimate_table(no_disk))
+
+
+def test_a_job_short_of_disk_is_refused_with_the_figures(data, tmp_path):
+    job = _job(tmp_path, data, 0.0001, 0.0001)
+    estimate = estimate_table(job)
+    assert estimate is not None and estimate.disk is not None
+    with pytest.raises(InfeasibleError) as err:
+        check_job_table(job, estimate)
+    message = str(err.value)
+    for figure in (f"{estimate.rows:,} expected rows", "B/row", "RAM budget of", "disk_gb is 0.0001",
+                   f"need {estimate.disk.shards:,} PS shards", "max_instances 4", "a larger disk_gb"):  # fmt: skip
+        assert figure in message, (figure, message)
+
+
+def test_shard_actors_get_the_types_disk_and_ram_rows_without_ram_mb(data, tmp_path):
+    job = _job(tmp_path, data, 0.0001, 1.0)
+    disk = estimate_table(job).disk
+    spec = sparse_spec(job, 9, 0.0, disk)
+    assert spec.ram_rows == disk.ram_rows > 0
+    assert spec.disk_dir == str(job_disk_folder(job, str(tmp_path / "ps-disk")))
+    assert Path(spec.disk_dir).parent == tmp_path / "ps-disk"
+    assert sparse_spec(job, 9, 0.0).disk_dir == ""  # hosted shards: no disk
+    # the job's own disk tier wins
+    own = _job(tmp_path, data, 0.0001, 1.0, **{"table.disk_dir": str(tmp_path / "mine"), "table.ram_mb": 2})
+    spec = sparse_spec(own, 9, 0.0, estimate_table(own).disk)
+    assert Path(spec.disk_dir).parent == tmp_path / "mine" and spec.ram_rows != disk.ram_rows
+
+
+def test_the_price_adds_the_rows_ram_misses_at_disk_ms_per_row():
+    data = load_problem(REPO / "configs" / "problems" / "ctr_dnn_cloud.yaml").to_dict()
+    table = {"rows": 1_000_000, "bytes_per_row": 150.0, "budget_gb": {}, "shards_needed": 2}
+    terms = RuntimeTerms(ps_wait_ms_per_row=0.001, disk_ms_per_row=0.01)
+    data["ps"]["table"] = table
+    in_ram = table_rate(problem_from_dict(data), terms, "cpu", hosted=False)
+    data["ps"]["table"] = {**table, "disk_rows": 800_000, "ram_hit_rate": 0.75}
+    on_disk = table_rate(problem_from_dict(data), terms, "cpu", hosted=False)
+    assert in_ram.ms_per_row == pytest.approx(0.001)
+    assert on_disk.ms_per_row == pytest.approx(0.001 + 0.25 * 0.01) and on_disk.hit_rate == 0.75
+
+
+def _run(job: Path) -> tuple[int, str]:
+    """`heterps run JOB` as a user runs it, in a process of its own (its own embedded Ray)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "heterps_ray", "run", str(job), "--no-progress", "--quick-profile"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _quickstart(tmp_path: Path, name: str, data: Path, cluster: Path) -> Path:
+    job = yaml.safe_load(QUICKSTART.read_text())
+    job.update(model=str(REPO / "configs" / "models" / "ctr_dnn.yaml"), cluster=str(cluster),
+               output_dir=str(tmp_path / name))  # fmt: skip
+    job["data"]["path"] = str(data)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.mark.slow
+def test_run_trains_the_quickstart_on_the_ps_types_disk_to_its_auc_in_ram(tmp_path):
+    """The quickstart job with the PS type's table memory 8x too small and a disk declared, no
+    table.ram_mb: `heterps run` trains on disk (the report says so) to the AUC of the same job in RAM;
+    with too little disk it exits 3 with the figures, before Ray starts."""
+    data = tmp_path / "data"
+    synthesize(data, 200_000, seed=0)  # the quickstart's data (data.synth_rows)
+    short = _quickstart(tmp_path, "short", data, _cluster(tmp_path, TIGHT_GB, 0.0001))
+    code, out = _run(short)
+    assert code == 3, out
+    assert "no plan can hold the table" in out and "disk_gb is 0.0001" in out and "max_instances 4" in out, out
+
+    code, out = _run(_quickstart(tmp_path, "on_disk", data, _cluster(tmp_path, TIGHT_GB, 1.0)))
+    assert code == 0, out
+    report = json.loads((tmp_path / "on_disk" / "run_report.json").read_text())
+    table = report["sparse_table"]
+    assert "the rest on disk under" in table["place"], table
+    assert table["disk_rows"] > table["ram_rows"] > 0, table  # most rows were on disk
+    assert "on disk" in out and "RAM + disk" in out, out
+    assert any((tmp_path / "ps-disk").rglob("rows.*.dat"))  # under the type's disk_dir
+
+    code, out = _run(_quickstart(tmp_path, "ram", data, REPO / "configs" / "clusters" / "local.yaml"))
+    assert code == 0, out
+    in_ram = json.loads((tmp_path / "ram" / "run_report.json").read_text())
+    assert "disk_rows" not in in_ram["sparse_table"]
+    assert report["auc"] == pytest.approx(in_ram["auc"], abs=0.002), (report["auc"], in_ram["auc"])
