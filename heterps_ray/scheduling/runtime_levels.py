@@ -17,7 +17,7 @@ are a second sum. For a target throughput X every term stays linear in the chose
 So the cheapest cost rate R*(X) of plans reaching X is a shortest path with linear side
 constraints: an ILP that HiGHS proves optimal (its dual bound is what the walk uses). With
 ``ps_hosting: auto`` a plan of one replica everywhere hosts its shards in the DataWorker (priced
-differently): a level is the cheaper of the hosted program (every count 1) and the program on
+differently, and without shard actors: no PS instance to pay or to fit in max_instances): a level is the cheaper of the hosted program (every count 1) and the program on
 actor shards with at least one count of 2 (a replica added where the minimal counts are all 1).
 
 The walk over the levels is levels.py's, the same as the base model's; this module prices a level
@@ -99,7 +99,7 @@ class RuntimeLevels(RuntimeSegments):
         if m is None:
             return None
         cap = self.cap.copy()
-        cap[self.ps_type] -= m
+        cap[self.ps_type] -= self.shard_actors(hosted, m)
         k = self.replicas(hosted, target)
         if hosted:
             k = np.where(k <= 1.0, k, UNREACHABLE)
@@ -157,12 +157,12 @@ class RuntimeLevels(RuntimeSegments):
         self, hosted: bool, target: float, high: float, m: int, k: np.ndarray, rate: np.ndarray
     ) -> tuple[float, np.ndarray]:
         """`ratio_bound`'s weights over [target, high]: (the shards' m p / min(high, X_m), per segment
-        `rate` (k(target) p) divided by min(high, X_k)). Hosted shards do not limit Θ: m p / high."""
+        `rate` (k(target) p) divided by min(high, X_k)). Hosted shards neither limit Θ nor cost: 0."""
         tau = self.K * self.busy[hosted]
         most = stage_throughput(self.B, tau, self.alpha, np.where(k < UNREACHABLE, k, 1.0))
         reach = np.minimum(high, most / (1.0 - REACH_RTOL) * (1.0 + 1e-12))
         most_ps = math.inf if hosted else self.model.ps_throughput(m) / (1.0 - REACH_RTOL) * (1.0 + 1e-12)
-        fixed = m * float(self.price[self.ps_type]) / max(min(high, most_ps), target)
+        fixed = self.shards_rate(hosted, m) / max(min(high, most_ps), target)
         return fixed, np.where(np.isfinite(rate), rate / np.maximum(reach, target), np.inf)
 
     def _lower_bound(self, target: float, high: float | None = None) -> tuple[float, list[tuple[int, ...]]]:
@@ -177,7 +177,7 @@ class RuntimeLevels(RuntimeSegments):
             if case is None:
                 continue
             m, cap, k, rate = case
-            fixed = m * float(self.price[self.ps_type])
+            fixed = self.shards_rate(hosted, m)
             if ratio:
                 assert high is not None
                 fixed, rate = self._ratio_weights(hosted, target, high, m, k, rate)
@@ -331,7 +331,7 @@ class RuntimeLevels(RuntimeSegments):
                     if ev.available and ev.throughput >= reach:
                         best, reached = ev.cost_rate, ev.throughput
         if self.auto:
-            ev = model.evaluate(list(assignment), [1] * len(stages), int(self.shards[0]))
+            ev = model.evaluate(list(assignment), [1] * len(stages), int(model.ps_min_shards))
             if ev.available and ev.throughput >= reach and ev.cost_rate < best:
                 best, reached = ev.cost_rate, ev.throughput
         return best, reached
@@ -344,7 +344,7 @@ class RuntimeLevels(RuntimeSegments):
             if m is None:
                 continue
             cap = self.cap.copy()
-            cap[self.ps_type] -= m
+            cap[self.ps_type] -= self.shard_actors(hosted, m)
             k = self.replicas(hosted, target)
             if hosted:
                 k = np.where(k <= 1.0, k, UNREACHABLE)
