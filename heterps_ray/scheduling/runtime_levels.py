@@ -87,6 +87,7 @@ class RuntimeLevels(RuntimeSegments):
         # level), per (case, level, weights) the weight, multipliers and limits of `_through`
         self._mu: dict[tuple[bool, bool, int], np.ndarray] = {}
         self._limits: dict[tuple[bool, float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._hosted_fits: dict[float, bool] = {}  # the last level's `_hosted_loop_fits`
 
     def counters(self) -> dict[str, int]:
         return {"levels_solved": self.ilp_solves, "ilp_solves": self.ilp_solves}
@@ -104,7 +105,21 @@ class RuntimeLevels(RuntimeSegments):
         if hosted:
             k = np.where(k <= 1.0, k, UNREACHABLE)
         rate = np.where(k <= cap[None, None, :], k * self.price, np.inf)
+        if hosted and not self._hosted_loop_fits(target, rate):
+            return None
         return m, cap, k, rate
+
+    def _hosted_loop_fits(self, target: float, rate: np.ndarray) -> bool:
+        """Whether one DataWorker's loop, at its fewest ms through the segments `rate` allows, fits the
+        level: a hosted plan has one DataWorker, so no hosted plan reaches a level this fails (the same
+        relaxation as `reachable`). Without it the hosted case, which pays no shard actors, bounds every
+        level below the actor-shard plans and takes an ILP of its own at each (issue 50: a 87 x 7 GPU-cloud
+        problem, 29 ILPs -> 72)."""
+        if target not in self._hosted_fits:
+            loop = np.where(np.isfinite(rate), self.busy[True] + self.waiting, np.inf)
+            fits = cheapest_path(loop)[0] <= self.loop_budget(target) * (1.0 + ROW_SLACK)
+            self._hosted_fits = {target: fits}  # levels move on: the last one's answer alone is kept
+        return self._hosted_fits[target]
 
     def _weights(
         self, hosted: bool, target: float, rate: np.ndarray, per_throughput: bool = False
