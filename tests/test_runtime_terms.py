@@ -111,6 +111,32 @@ def test_sync_two_stages_wait_for_each_other_with_calls_bytes_input_and_hosted_p
     assert base.runtime is None and base.throughput > e.throughput
 
 
+def test_hosted_shards_cost_no_ps_instance_and_take_none_of_its_instances():
+    """Shards hosted in DataWorker 0's process start no actor: the plan pays its stages alone, and the
+    PS type's instances are all the stages'. On actor shards (a replicated stage) the shards are paid."""
+    model = _model(mode="sync", ps_hosting="auto")
+    hosted = model.evaluate(["a", "b", "b"], [1, 1], 1)
+    assert hosted.runtime is not None and hosted.runtime.ps_hosted
+    assert hosted.cost_rate == pytest.approx(1.0 + 3.0)  # a's DataWorker and b's stage, no PS instance
+    assert hosted.instances == (1, 1)
+    on_actors = model.evaluate(["a", "b", "b"], [2, 1], 1)
+    assert on_actors.runtime is not None and not on_actors.runtime.ps_hosted
+    assert on_actors.cost_rate == pytest.approx(2 * 1.0 + 3.0 + 1 * 1.0)
+    assert on_actors.instances == (3, 1)
+    # the PS type with one instance: its DataWorker hosts the shards, so the plan on it alone exists
+    data = _problem({**TERMS, "mode": "sync", "ps_hosting": "auto"})
+    data["resources"][0]["max_instances"] = 1
+    one = CostModel(problem_from_dict(data))
+    assert one.evaluate(["a", "a", "a"], [1], 1).available
+    assert not one.evaluate(["a", "a", "a"], [2], 1).available
+    for method in ("brute", "levels"):
+        plan = get_scheduler("exact", method=method).schedule(one.problem)
+        assert plan.feasible and all(s.replicas == 1 for s in plan.stages)
+        assert plan.cost_rate == pytest.approx(sum(
+            {"a": 1.0, "b": 3.0}[s.type] for s in plan.stages
+        ))
+
+
 def test_a_middle_stage_takes_two_calls_and_both_boundaries():
     model = _model(mode="sync")
     e = model.evaluate(["a", "b", "a"], [1, 1, 1], 1)
@@ -272,7 +298,6 @@ def _random_problem(seed: int) -> dict:
          "threads": int(rng.integers(1, 3)), "call_overhead_ms": round(float(rng.uniform(0, 0.6)), 2)}
         for n in names
     ]  # fmt: skip
-    resources[0]["max_instances"] = max(resources[0]["max_instances"], 2)  # the shards live there
     layers = []
     for li in range(L):
         runs = [n for n in names if n == "a" or rng.random() < 0.8]
@@ -300,13 +325,16 @@ def _random_problem(seed: int) -> dict:
                "min_shards": int(rng.integers(1, 3))},
         "layers": layers, "runtime": runtime,
     }  # fmt: skip
+    # the shard actors live on a (hosted shards take none of its instances: there, one can do)
+    least = 2 if runtime["ps_hosting"] == "actors" else data["ps"]["min_shards"]
+    resources[0]["max_instances"] = max(resources[0]["max_instances"], least)
     if rng.random() < 0.4:
         data["hosts"] = [{"name": "box", "cores": float(rng.integers(2, 5)), "types": names[:2],
                           "call_cpu_ms": round(float(rng.uniform(0, 0.5)), 2)}]  # fmt: skip
     return data
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))  # 12, 14, 15: hosting on a PS type of one instance
 def test_exact_on_random_small_runtime_problems_equals_enumeration(seed):
     data = _random_problem(seed)
     model = CostModel(problem_from_dict(data))
@@ -331,7 +359,7 @@ def test_execution_fields_are_set_and_checked():
         problem_from_dict(_problem({"micro_batches": 3}), "p.yaml")
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))  # 12, 14, 15: hosting on a PS type of one instance
 def test_the_interval_bounds_stay_below_every_plan_in_their_interval(seed):
     """`ratio_bound(low, high)` (the walk stops on it with high = inf) never claims more than the
     cheapest R / Θ of a plan with low <= Θ <= high, by enumeration."""

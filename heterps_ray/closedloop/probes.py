@@ -9,13 +9,14 @@ import ray
 
 from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.plan import Plan, PlanStage
-from heterps_ray.costmodel.table_memory import TableEstimate
+from heterps_ray.costmodel.table_memory import TableEstimate, estimate_table
 from heterps_ray.errors import ConfigError
 from heterps_ray.models import build_model
 from heterps_ray.profiling.fit import FitResult
 from heterps_ray.profiling.probes import PROBE_STEPS, PROBE_WARMUP, ProbeSkipped, ProbeTiming, probe_steps
 from heterps_ray.profiling.profiler import ProfileSettings, profile
 from heterps_ray.runtime import warm
+from heterps_ray.runtime.actors import hosts_shards
 from heterps_ray.runtime.driver import train
 from heterps_ray.runtime.loop import LiveActors
 from heterps_ray.runtime.pipeline import check_capacity, resolve_stages
@@ -66,7 +67,7 @@ def run_probe(
 ) -> ProbeTiming:
     """ms per batch, at the steady rate, of the sync plan `caller` for layers[:split], then `callee`,
     and the rows its GPU tier fetched from the shards over those batches; ProbeSkipped where its actors and PS shard
-    exceed a type's max_instances (train would refuse it)."""
+    (unless hosted) exceed a type's max_instances (train would refuse it)."""
     stages = [PlanStage(tuple(layers[:split]), caller, 1, 0.0, 0.0)]
     if split < len(layers):
         stages.append(PlanStage(tuple(layers[split:]), callee, 1, 0.0, 0.0))
@@ -101,9 +102,12 @@ def run_probe(
             ),
         }
     )  # fmt: skip
-    specs = resolve_stages(plan, build_model(job.model), probe_job)
+    model = build_model(job.model)
+    specs = resolve_stages(plan, model, probe_job)
+    estimate = estimate_table(probe_job, model.embedding_dim)
+    shard_actors = 0 if hosts_shards(probe_job, specs, int(plan.ps_shards), estimate) else int(plan.ps_shards)
     try:
-        check_capacity(specs, int(plan.ps_shards), job.cluster)
+        check_capacity(specs, shard_actors, job.cluster)
     except ConfigError as exc:
         raise ProbeSkipped(f"{exc.expected}: it needs {exc.got}") from None
     warmed: list[tuple[int, int]] = []  # (step, rows the GPU tier fetched) at the end of the warm-up chunk
@@ -122,6 +126,7 @@ def run_probe(
         evaluation=False,
         first_chunk=PROBE_WARMUP,
         on_chunk=after_warmup,
+        estimate=estimate,
     )
     rate = summary.steady_throughput or summary.throughput
     # a probe starts with an empty GPU tier: its steady batches still meet keys for the first time (cold

@@ -258,10 +258,12 @@ class CostModel:
             terms = limits(
                 self, [(s.start, s.end, s.type) for s in stages], counts, [s.alpha for s in stages]
             )
+        # shards hosted in DataWorker 0's process start no PS instance: none is paid or counted
+        shard_actors = 0 if terms is not None and terms.ps_hosted else int(ps_shards)
         instances = [0] * self.num_types
-        instances[self.ps_type] += int(ps_shards)
+        instances[self.ps_type] += shard_actors
         priced: list[StageEvaluation] = []
-        cost_rate = ps_shards * float(self.price[self.ps_type])
+        cost_rate = shard_actors * float(self.price[self.ps_type])
         for st, k in zip(stages, counts, strict=True):
             instances[st.type] += int(k)
             cost_rate += k * float(self.price[st.type])

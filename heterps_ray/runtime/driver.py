@@ -137,10 +137,11 @@ def train(
     model = build_model(job.model)
     stages = resolve_stages(plan, model, job, plan_file)
     num_shards = job.runtime.ps_shards or int(plan.ps_shards)
-    check_capacity(stages, num_shards, job.cluster, plan_file)
     if estimate is None:
         estimate = estimate_table(job, model.embedding_dim)
-    if not hosts_shards(job, stages, num_shards, estimate):  # shard actors: each holds its share
+    hosted = hosts_shards(job, stages, num_shards, estimate)
+    check_capacity(stages, 0 if hosted else num_shards, job.cluster, plan_file)  # hosted: no shard actor
+    if not hosted:  # shard actors: each holds its share
         check_plan_holds(job, estimate, num_shards, plan_file)
     output_dir = Path(job.output_dir)
     plan_dict = plan.to_dict()

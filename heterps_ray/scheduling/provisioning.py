@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterps_ray.costmodel import CostModel, Problem
+from heterps_ray.costmodel import CostModel, Problem, StageTime
 from heterps_ray.costmodel.plan import Plan
 from heterps_ray.costmodel.pricing import price_plan
 
@@ -54,54 +54,26 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
     if not all(model.runnable[li, t] for li, t in enumerate(a)):
         return fallback
 
-    # theta_s(k) for k = 1..K_s (the type's instances, less the PS shards' minimum on it)
+    # theta_s(k) for k = 1..K_s (the type's instances, less the PS shards' minimum on it). A hosted
+    # plan's shards take no instance: where the shard actors leave a stage none, it is the only plan.
     k_max = [int(cap[st.type]) - (m_min if st.type == ps_t else 0) for st in stages]
-    if min(k_max) < 1:
-        return fallback
-    tables, ceiling = model.throughput_tables(stages, k_max)
-    shards = np.arange(m_min, int(cap[ps_t]) + 1)
-    ps_table = np.array([model.ps_throughput(int(m)) for m in shards])
-
-    candidates = np.unique(
-        np.concatenate(tables + [ps_table] + ([[ceiling]] if math.isfinite(ceiling) else []))
-    )
-    target = candidates * (1.0 - REACH_RTOL)
-    reachable = np.ones(len(candidates), dtype=bool)
-    usage = np.zeros((len(candidates), model.num_types), dtype=np.int64)
-    throughput = np.full(len(candidates), np.inf)
-    cost_rate = np.zeros(len(candidates))
-    counts = np.empty((S, len(candidates)), dtype=np.int64)
-    for s, (st, table) in enumerate(zip(stages, tables, strict=True)):
-        idx = np.searchsorted(table, target, side="left")  # tables increase with k
-        reachable &= idx < len(table)
-        idx = np.minimum(idx, len(table) - 1)
-        counts[s] = idx + 1
-        usage[:, st.type] += idx + 1
-        throughput = np.minimum(throughput, table[idx])
-        cost_rate += (idx + 1) * model.price[st.type]
-    if model.rows_per_sample > 0.0:
-        idx = np.searchsorted(ps_table, target, side="left")
-        reachable &= idx < len(ps_table)
-        idx = np.minimum(idx, len(ps_table) - 1)
+    shards = np.arange(m_min, int(cap[ps_t]) + 1)  # shard actors a plan may have
+    if min(k_max) >= 1 and len(shards):
+        counts, m, throughput, cost_rate, reachable = _on_actor_shards(model, stages, k_max, shards)
     else:
-        idx = np.zeros(len(candidates), dtype=np.int64)  # the PS never limits: its minimum suffices
-    m = shards[idx]
-    usage[:, ps_t] += m
-    throughput = np.minimum(np.minimum(throughput, ps_table[idx]), ceiling)
-    cost_rate += m * model.price[ps_t]
-    reachable &= (usage <= cap).all(axis=1)
+        counts, m = np.empty((S, 0), dtype=np.int64), np.empty(0, dtype=np.int64)
+        throughput, cost_rate, reachable = np.empty(0), np.empty(0), np.empty(0, dtype=bool)
     problem = model.problem
     if problem.runtime is not None and problem.runtime.ps_hosting == "auto":
         ones = (counts == 1).all(axis=0)
-        extra = _hosted_and_bumped(model, a, counts[:, ones & reachable].T, m[ones & reachable], shards)
+        extra = _hosted_and_bumped(model, a, m[ones & reachable])
         reachable &= ~ones
-        if extra:
-            ev = [model.evaluate(a, list(k), int(n)) for k, n in extra]
-            counts = np.concatenate([counts, np.array([k for k, _ in extra]).T], axis=1)
-            m = np.concatenate([m, [n for _, n in extra]])
-            throughput = np.concatenate([throughput, [e.throughput for e in ev]])
-            cost_rate = np.concatenate([cost_rate, [e.cost_rate for e in ev]])
-            reachable = np.concatenate([reachable, [e.available for e in ev]])
+        ev = [model.evaluate(a, list(k), int(n)) for k, n in extra]
+        counts = np.concatenate([counts, np.array([k for k, _ in extra]).T], axis=1)
+        m = np.concatenate([m, [n for _, n in extra]])
+        throughput = np.concatenate([throughput, [e.throughput for e in ev]])
+        cost_rate = np.concatenate([cost_rate, [e.cost_rate for e in ev]])
+        reachable = np.concatenate([reachable, [e.available for e in ev]])
     if not reachable.any():
         return fallback
 
@@ -127,14 +99,54 @@ def provision_counts(model: CostModel, assignment: Sequence[int | str]) -> Provi
     )
 
 
+def _on_actor_shards(
+    model: CostModel, stages: Sequence[StageTime], k_max: list[int], shards: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate throughput X (every θ_s(k), θ_ps(m) and the cap no count changes) the fewest
+    counts on shard actors reaching it: (replicas [S, X], shards, throughput, $/hour, within the
+    types' instances)."""
+    cap, ps_t = model.max_instances, model.ps_type
+    tables, ceiling = model.throughput_tables(stages, k_max)
+    ps_table = np.array([model.ps_throughput(int(m)) for m in shards])
+    candidates = np.unique(
+        np.concatenate(tables + [ps_table] + ([[ceiling]] if math.isfinite(ceiling) else []))
+    )
+    target = candidates * (1.0 - REACH_RTOL)
+    reachable = np.ones(len(candidates), dtype=bool)
+    usage = np.zeros((len(candidates), model.num_types), dtype=np.int64)
+    throughput = np.full(len(candidates), np.inf)
+    cost_rate = np.zeros(len(candidates))
+    counts = np.empty((len(stages), len(candidates)), dtype=np.int64)
+    for s, (st, table) in enumerate(zip(stages, tables, strict=True)):
+        idx = np.searchsorted(table, target, side="left")  # tables increase with k
+        reachable &= idx < len(table)
+        idx = np.minimum(idx, len(table) - 1)
+        counts[s] = idx + 1
+        usage[:, st.type] += idx + 1
+        throughput = np.minimum(throughput, table[idx])
+        cost_rate += (idx + 1) * model.price[st.type]
+    if model.rows_per_sample > 0.0:
+        idx = np.searchsorted(ps_table, target, side="left")
+        reachable &= idx < len(ps_table)
+        idx = np.minimum(idx, len(ps_table) - 1)
+    else:
+        idx = np.zeros(len(candidates), dtype=np.int64)  # the PS never limits: its minimum suffices
+    m = shards[idx]
+    usage[:, ps_t] += m
+    throughput = np.minimum(np.minimum(throughput, ps_table[idx]), ceiling)
+    cost_rate += m * model.price[ps_t]
+    reachable &= (usage <= cap).all(axis=1)
+    return counts, m, throughput, cost_rate, reachable
+
+
 def _hosted_and_bumped(
-    model: CostModel, assignment: list[int], ones: np.ndarray, shards_at: np.ndarray, shards: np.ndarray
+    model: CostModel, assignment: list[int], shards_at: np.ndarray
 ) -> list[tuple[tuple[int, ...], int]]:
     """The plans that replace all-ones counts on actor shards: the hosted plan (its fewest shards:
-    no shard actor serves it, so more only cost), and, for each level that asked for all ones, each
-    stage bumped to two replicas."""
+    hosted shards take no instance and bound nothing, so more change nothing), and, for each shard
+    count `shards_at` a level asked for with all ones, each stage bumped to two replicas."""
     S = len(model.split_stages(assignment))
-    plans = {((1,) * S, int(shards[0]))}
+    plans = {((1,) * S, int(model.ps_min_shards))}
     for n in np.unique(shards_at):
         for j in range(S):
             plans.add((tuple(2 if i == j else 1 for i in range(S)), int(n)))

@@ -61,7 +61,7 @@ def solve_case(
     budget = levels.loop_budget(target)
     allowed = levels.valid & np.isfinite(rate)
     if objective and math.isfinite(upper):
-        fixed = m * float(levels.price[levels.ps_type])
+        fixed = levels.shards_rate(hosted, m)
         allowed &= levels._through(hosted, target, rate) + fixed < upper * (1.0 - 1e-12)
     if levels.sync:
         allowed &= levels.K * levels.busy[hosted] <= budget * (1.0 + ROW_SLACK)
@@ -228,7 +228,7 @@ def solve_case(
     if objective and math.isfinite(upper):
         # prune every node that cannot beat the incumbent (a plan at `upper` is known): HiGHS then finds
         # nothing below it when nothing cheaper exists, and `RuntimeLevels.solve` keeps the incumbent
-        limit = upper - m * float(levels.price[levels.ps_type])
+        limit = upper - levels.shards_rate(hosted, m)
         options["objective_bound"] = limit
     left = levels.deadline - time.perf_counter()
     if math.isfinite(left):
@@ -254,7 +254,7 @@ def solve_case(
     if not objective:
         return Level(math.nan, -math.inf, assignment_of(path))
     found = float(c @ np.round(x))
-    fixed = m * float(price[levels.ps_type])
+    fixed = levels.shards_rate(hosted, m)
     dual = getattr(result, "mip_dual_bound", None)
     proven = found if dual is None or not math.isfinite(dual) else min(found, float(dual))
     if found > limit:

@@ -17,7 +17,7 @@ are a second sum. For a target throughput X every term stays linear in the chose
 So the cheapest cost rate R*(X) of plans reaching X is a shortest path with linear side
 constraints: an ILP that HiGHS proves optimal (its dual bound is what the walk uses). With
 ``ps_hosting: auto`` a plan of one replica everywhere hosts its shards in the DataWorker (priced
-differently): a level is the cheaper of the hosted program (every count 1) and the program on
+differently, and without shard actors: no PS instance to pay or to fit in max_instances): a level is the cheaper of the hosted program (every count 1) and the program on
 actor shards with at least one count of 2 (a replica added where the minimal counts are all 1).
 
 The walk over the levels is levels.py's, the same as the base model's; this module prices a level
@@ -87,6 +87,7 @@ class RuntimeLevels(RuntimeSegments):
         # level), per (case, level, weights) the weight, multipliers and limits of `_through`
         self._mu: dict[tuple[bool, bool, int], np.ndarray] = {}
         self._limits: dict[tuple[bool, float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._hosted_fits: dict[float, bool] = {}  # the last level's `_hosted_loop_fits`
 
     def counters(self) -> dict[str, int]:
         return {"levels_solved": self.ilp_solves, "ilp_solves": self.ilp_solves}
@@ -99,12 +100,26 @@ class RuntimeLevels(RuntimeSegments):
         if m is None:
             return None
         cap = self.cap.copy()
-        cap[self.ps_type] -= m
+        cap[self.ps_type] -= self.shard_actors(hosted, m)
         k = self.replicas(hosted, target)
         if hosted:
             k = np.where(k <= 1.0, k, UNREACHABLE)
         rate = np.where(k <= cap[None, None, :], k * self.price, np.inf)
+        if hosted and not self._hosted_loop_fits(target, rate):
+            return None
         return m, cap, k, rate
+
+    def _hosted_loop_fits(self, target: float, rate: np.ndarray) -> bool:
+        """Whether one DataWorker's loop, at its fewest ms through the segments `rate` allows, fits the
+        level: a hosted plan has one DataWorker, so no hosted plan reaches a level this fails (the same
+        relaxation as `reachable`). Without it the hosted case, which pays no shard actors, bounds every
+        level below the actor-shard plans and takes an ILP of its own at each (issue 50: a 87 x 7 GPU-cloud
+        problem, 29 ILPs -> 72)."""
+        if target not in self._hosted_fits:
+            loop = np.where(np.isfinite(rate), self.busy[True] + self.waiting, np.inf)
+            fits = cheapest_path(loop)[0] <= self.loop_budget(target) * (1.0 + ROW_SLACK)
+            self._hosted_fits = {target: fits}  # levels move on: the last one's answer alone is kept
+        return self._hosted_fits[target]
 
     def _weights(
         self, hosted: bool, target: float, rate: np.ndarray, per_throughput: bool = False
@@ -157,12 +172,12 @@ class RuntimeLevels(RuntimeSegments):
         self, hosted: bool, target: float, high: float, m: int, k: np.ndarray, rate: np.ndarray
     ) -> tuple[float, np.ndarray]:
         """`ratio_bound`'s weights over [target, high]: (the shards' m p / min(high, X_m), per segment
-        `rate` (k(target) p) divided by min(high, X_k)). Hosted shards do not limit Θ: m p / high."""
+        `rate` (k(target) p) divided by min(high, X_k)). Hosted shards neither limit Θ nor cost: 0."""
         tau = self.K * self.busy[hosted]
         most = stage_throughput(self.B, tau, self.alpha, np.where(k < UNREACHABLE, k, 1.0))
         reach = np.minimum(high, most / (1.0 - REACH_RTOL) * (1.0 + 1e-12))
         most_ps = math.inf if hosted else self.model.ps_throughput(m) / (1.0 - REACH_RTOL) * (1.0 + 1e-12)
-        fixed = m * float(self.price[self.ps_type]) / max(min(high, most_ps), target)
+        fixed = self.shards_rate(hosted, m) / max(min(high, most_ps), target)
         return fixed, np.where(np.isfinite(rate), rate / np.maximum(reach, target), np.inf)
 
     def _lower_bound(self, target: float, high: float | None = None) -> tuple[float, list[tuple[int, ...]]]:
@@ -177,7 +192,7 @@ class RuntimeLevels(RuntimeSegments):
             if case is None:
                 continue
             m, cap, k, rate = case
-            fixed = m * float(self.price[self.ps_type])
+            fixed = self.shards_rate(hosted, m)
             if ratio:
                 assert high is not None
                 fixed, rate = self._ratio_weights(hosted, target, high, m, k, rate)
@@ -331,7 +346,7 @@ class RuntimeLevels(RuntimeSegments):
                     if ev.available and ev.throughput >= reach:
                         best, reached = ev.cost_rate, ev.throughput
         if self.auto:
-            ev = model.evaluate(list(assignment), [1] * len(stages), int(self.shards[0]))
+            ev = model.evaluate(list(assignment), [1] * len(stages), int(model.ps_min_shards))
             if ev.available and ev.throughput >= reach and ev.cost_rate < best:
                 best, reached = ev.cost_rate, ev.throughput
         return best, reached
@@ -344,7 +359,7 @@ class RuntimeLevels(RuntimeSegments):
             if m is None:
                 continue
             cap = self.cap.copy()
-            cap[self.ps_type] -= m
+            cap[self.ps_type] -= self.shard_actors(hosted, m)
             k = self.replicas(hosted, target)
             if hosted:
                 k = np.where(k <= 1.0, k, UNREACHABLE)

@@ -109,13 +109,24 @@ class RuntimeSegments(LevelPricing):
     def ps_shards(self, hosted: bool, target: float) -> int | None:
         """Shards for the level: the fewest reaching it (hosted: the fewest there are); None: none."""
         model = self.model
-        if hosted or model.rows_per_sample <= 0.0:
-            return int(self.shards[0])
+        if hosted:  # the fewest: hosted shards take no instance and bound nothing
+            return int(model.ps_min_shards)
+        if model.rows_per_sample <= 0.0:
+            return int(self.shards[0]) if len(self.shards) else None
         reach = target * (1.0 - REACH_RTOL)
         for m in self.shards:
             if model.ps_throughput(int(m)) >= reach:
                 return int(m)
         return None
+
+    def shard_actors(self, hosted: bool, m: int) -> int:
+        """PS shard actors of a case with `m` shards: none where DataWorker 0 hosts them (they take no
+        instance of the PS type, and cost nothing beyond the DataWorker)."""
+        return 0 if hosted else m
+
+    def shards_rate(self, hosted: bool, m: int) -> float:
+        """$/hour of a case's shard actors."""
+        return self.shard_actors(hosted, m) * float(self.price[self.ps_type])
 
     def _cases(self) -> list[bool]:
         """hosted flags a plan can have: auto hosts one-replica plans, actors never."""
