@@ -305,9 +305,9 @@ def test_profile_of_one_instance_types_measures_what_it_can_and_names_what_it_co
     ray_local, tmp_path, capsys
 ):
     """The reported hang: the PS probe's shard could not be placed beside the profiling actor of its
-    type, and the profile waited for it for minutes. Now the shard is not started, the runtime probes
-    that need a second actor of cpu_small are left out, and both are named (printed and in the
-    problem's notes); the one-stage probes on cpu_big run."""
+    type, and the profile waited for it for minutes. Now the shard is not started and is named (printed
+    and in the problem's notes). The runtime probes host their shard in their DataWorker, which takes
+    no instance of cpu_small: those into and on cpu_small run on its one profiling actor, reconfigured."""
     from heterps_ray.data.synth import synthesize
 
     data = tmp_path / "data"
@@ -323,19 +323,14 @@ def test_profile_of_one_instance_types_measures_what_it_can_and_names_what_it_co
         "not measured: the PS shard's rates ('cpu_small': its max_instances (1) are all taken by the "
         "profiling actors: a PS shard needs one more 'cpu_small' actor)"
     )
-    probe_line = (
-        "not measured: runtime probe embedding..embedding@cpu_small -> fc1..logit@cpu_big, 12 batches: at "
-        "most max_instances=1 actors of type 'cpu_small' (stage replicas + PS shards): it needs 2"
-    )
-    assert ps_line in printed and probe_line in printed, printed
-    assert "embedding..logit@cpu_small, 12 batches: at most max_instances=1" in printed, printed
+    assert ps_line in printed and "runtime probe" not in printed, printed
     notes = load_problem(output).notes or ""
-    assert ps_line.removeprefix("not measured: ") in notes and "runtime probe" in notes, notes
+    assert ps_line.removeprefix("not measured: ") in notes, notes
     raw = pd.read_parquet(output.with_suffix(".measurements.parquet"))
     assert raw[raw["kind"].isin(["ps", "ps_dense"])].empty  # no PS shard was started
     probes = raw[raw["kind"] == "probe"]
-    assert set(probes["resource"]) == {"cpu_big"} and set(probes["peer"]) == {""}  # cpu_big alone, twice
-    assert len(probes) >= 2
+    assert set(probes["resource"]) == {"cpu_small", "cpu_big"}  # one stage on each, and two stages
+    assert (probes["peer"] != "").any()
     assert took < 120, took
 
 

@@ -162,7 +162,8 @@ def test_plan_mistakes_are_config_errors(dataset, tmp_path):
         train(wrong_model, plan, steps=1, progress=False)
     with pytest.raises(ConfigError, match="1 in sync mode"):
         train(make_job(dataset, tmp_path), load_plan(PLANS / "small_async.json"), steps=1, progress=False)
-    too_many = make_job(dataset, tmp_path, runtime={"ps_shards": 4})  # 4 shards + 2 workers on cpu_small
+    # 4 shard actors + 2 workers on cpu_small (hosted in the DataWorker, the shards would take no instance)
+    too_many = make_job(dataset, tmp_path, runtime={"ps_shards": 4, "ps_hosting": "actors"})
     with pytest.raises(ConfigError, match="max_instances=4"):
         train(too_many, plan, steps=1, progress=False)
 
