@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from heterps_ray.costmodel import CostModel, evaluate_plan
-from heterps_ray.costmodel.table_memory import GIB, lru_hit_rate
+from heterps_ray.costmodel.hit_rates import lru_hit_rate
+from heterps_ray.costmodel.table_memory import GIB
 from heterps_ray.ps.row_bytes import device_rows_within, stored_bytes_per_row
 from heterps_ray.scheduling import get_scheduler
 from heterps_ray.scheduling.generator import generate_problem

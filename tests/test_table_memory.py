@@ -390,7 +390,7 @@ def test_the_lru_hit_rate_from_key_counts_is_what_an_lru_cache_serves():
 
     import numpy as np
 
-    from heterps_ray.costmodel.table_memory import lru_hit_rate
+    from heterps_ray.costmodel.hit_rates import lru_hit_rate
 
     rng = np.random.default_rng(3)
     stream = rng.zipf(1.2, size=60_000) % 20_000
@@ -416,7 +416,7 @@ def test_the_hot_set_for_a_target_hit_rate_is_the_lru_cache_that_reaches_it():
     table; an unreachable target (first lookups always miss) has none."""
     import numpy as np
 
-    from heterps_ray.costmodel.table_memory import hot_rows_for, lru_hit_rate
+    from heterps_ray.costmodel.hit_rates import hot_rows_for, lru_hit_rate
 
     rng = np.random.default_rng(4)
     counts = np.unique(rng.zipf(1.2, size=200_000) % 50_000, return_counts=True)[1]

@@ -15,7 +15,7 @@ table budget and the rest on disk (ps/disk_tier.py):
 
 The shard count is the fewest that meets both; more than the type's max_instances is refused with the
 figures (check_job_table). The share of lookups the shards' RAM serves is an LRU cache's over the
-data's key counts (table_memory.cache_hit_rate), with every shard's hot set together as the cache:
+data's key counts (hit_rates.cache_hit_rate), with every shard's hot set together as the cache:
 keys are hashed evenly over the shards.
 
 Example::
@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from heterps_ray.config import JobConfig
+from heterps_ray.costmodel.hit_rates import cache_hit_rate
 from heterps_ray.costmodel.problem import PSTable
 from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, MIN_RAM_SHARE, peak_file_bytes, record_dtype
 from heterps_ray.ps.row_bytes import max_rows_for, stored_bytes_per_row
@@ -117,7 +118,7 @@ def disk_plan(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str)
     PS type's memory holds it within its max_instances, the type declares no disk, the job keeps its own
     disk tier (``table.disk_dir``), or the shards expire or cap their rows (no disk tier then)."""
     # table_memory sizes the table and imports this module
-    from heterps_ray.costmodel.table_memory import cache_hit_rate, shards_needed
+    from heterps_ray.costmodel.table_memory import shards_needed
 
     cluster, settings = job.cluster, job.table
     ps = cluster.type(cluster.ps_resource)

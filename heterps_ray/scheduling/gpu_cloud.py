@@ -47,7 +47,8 @@ import numpy as np
 
 from heterps_ray.config import ACTOR_RESERVE_GB, DRIVER_GB, OBJECT_STORE_GB
 from heterps_ray.costmodel import Problem
-from heterps_ray.costmodel.table_memory import GIB, lru_hit_rate, shards_needed
+from heterps_ray.costmodel.hit_rates import lru_hit_rate
+from heterps_ray.costmodel.table_memory import GIB, shards_needed
 from heterps_ray.ps.row_bytes import device_row_bytes, device_rows_within, stored_bytes_per_row
 from heterps_ray.scheduling.generator import CPU_PER_SAMPLE_MS, chain_of_layers, layer_entry, with_drawn_floor
 
@@ -269,7 +270,7 @@ def gpu_rows(kind: Kind, dim: int) -> int:
 def hit_rate(capacity: int, rows: int, lookups: float, zipf: float) -> float:
     """The share of `lookups` a GPU memory of `capacity` rows serves for a table of `rows`: where all
     fit, all but each row's first lookup; else an LRU cache under a Zipf key popularity of exponent
-    `zipf` (table_memory.lru_hit_rate over HIT_RATE_KEYS keys, the capacity and the lookups scaled to the
+    `zipf` (hit_rates.lru_hit_rate over HIT_RATE_KEYS keys, the capacity and the lookups scaled to the
     share of the table they stand for; every key of the table seen at least once)."""
     if lookups <= 0:
         return 1.0
