@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -23,7 +24,8 @@ from heterps_ray.costmodel.runtime_terms import table_rate
 from heterps_ray.costmodel.table_memory import GIB, check_job_table, estimate_table, table_section
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import InfeasibleError
-from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK
+from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, record_dtype
+from heterps_ray.ps.disk_timing import time_disk
 from heterps_ray.ps.row_bytes import stored_bytes_per_row
 from heterps_ray.ps.spec import job_disk_folder, sparse_spec
 
@@ -130,6 +132,30 @@ def test_the_price_adds_the_rows_ram_misses_at_disk_ms_per_row():
     assert on_disk.ms_per_row == pytest.approx(0.001 + 0.25 * 0.01) and on_disk.hit_rate == 0.75
 
 
+def test_the_profile_times_the_disk_as_the_tier_uses_it_and_leaves_nothing_there(tmp_path):
+    timings = time_disk(tmp_path / "disk", record_dtype(9, 9), reads_in_flight=8)
+    timed = {(t.what, t.depth) for t in timings}
+    assert timed == {("append", 1), ("warm", 8), ("miss", 8), *(("cold", d) for d in (1, 8, 16, 64))}, timed
+    assert all(t.rows >= 4 * 1024 and t.ms > 0 for t in timings), timings
+    assert not any((tmp_path / "disk").iterdir())  # its file removed
+    # a disk too small to time says where and what was expected
+    with pytest.raises(OSError, match=r"disk2: room for \d+ records of 88 B to time the disk, expected at least"):
+        time_disk(tmp_path / "disk2", record_dtype(9, 9), reads_in_flight=8, disk_gb=1e-5)
+
+
+def test_the_fit_prices_a_row_ram_misses_at_the_measured_miss():
+    from heterps_ray.profiling.fit_runtime import runtime_terms
+    from heterps_ray.profiling.rows import Row
+
+    rows = [Row("disk", "cpu_small", peer="cold", calls=32, rows=4096, ms=100.0),
+            Row("disk", "cpu_small", peer="miss", calls=32, rows=4096, ms=200.0),
+            Row("disk", "cpu_small", peer="miss", calls=32, rows=4096, ms=210.0)]  # fmt: skip
+    quality: list[dict[str, Any]] = []
+    terms = runtime_terms({"layers": [], "resources": []}, pd.DataFrame([r.__dict__ for r in rows]), {}, quality)
+    assert terms["disk_ms_per_row"] == pytest.approx(410.0 / 8192, abs=1e-6)
+    assert [q["layer"] for q in quality] == ["cold x32", "miss x32", "miss x32"]
+
+
 def _run(job: Path) -> tuple[int, str]:
     """`heterps run JOB` as a user runs it, in a process of its own (its own embedded Ray)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -168,6 +194,12 @@ def test_run_trains_the_quickstart_on_the_ps_types_disk_to_its_auc_in_ram(tmp_pa
     assert table["disk_rows"] > table["ram_rows"] > 0, table  # most rows were on disk
     assert "on disk" in out and "RAM + disk" in out, out
     assert any((tmp_path / "ps-disk").rglob("rows.*.dat"))  # under the type's disk_dir
+    # the profile timed the type's disk, so the plan prices the rows RAM misses
+    problem = load_problem(tmp_path / "on_disk" / "problem.yaml")
+    assert problem.runtime is not None and problem.runtime.disk_ms_per_row > 0, problem.runtime
+    # the run's share of lookups served from RAM, in the estimate's unit (one LRU over the key stream)
+    estimated = problem.ps.table.ram_hit_rate
+    assert table["ram_hit_rate"] == pytest.approx(estimated, abs=0.03), (table["ram_hit_rate"], estimated)
 
     code, out = _run(_quickstart(tmp_path, "ram", data, REPO / "configs" / "clusters" / "local.yaml"))
     assert code == 0, out

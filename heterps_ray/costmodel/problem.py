@@ -207,8 +207,9 @@ class RuntimeTerms(BaseModel):
         0.0,
         ge=0,
         description="ms a DataWorker waits per sparse row of a batch that the PS shards' RAM does not hold "
-        "(ps.table.disk_rows: read from their disk tier, its rows written back when they leave; the profiler "
-        "does not measure it yet: 0 prices such a row as one in RAM)",
+        "(ps.table.disk_rows): the row read back from the PS type's disk with the file out of the page "
+        "cache, and one row written out in its place; the profile measures it on the type's disk_dir "
+        "(0: not measured, such a row priced as one in RAM)",
     )
 
     @property

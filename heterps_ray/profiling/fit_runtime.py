@@ -1,6 +1,7 @@
 """The problem's `runtime` section (DESIGN.md §3b) fitted from a profile: the job's execution, the PS
-wait per row, the GPU tier's per-row times, each type's layer times calibrated to its one-stage runtime
-probe, each callee's call time from the two-stage probes, and the machines whose cores types share."""
+wait per row, the GPU tier's per-row times, the PS type's disk per row its shards' RAM misses, each
+type's layer times calibrated to its one-stage runtime probe, each callee's call time from the
+two-stage probes, and the machines whose cores types share."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def runtime_terms(
         if not sel.empty:  # the GPU tier of each cuda type (rows in its memory), per row
             per_type = sel.groupby("resource")[["ms", "rows"]].sum()
             terms[term] = {name: round6(float(r["ms"] / r["rows"])) for name, r in per_type.iterrows()}
+    disk = measurements[measurements["kind"] == "disk"]
+    for _, row in disk.iterrows():  # the PS type's disk, each setting timed (ps/disk_timing.py)
+        quality.append({"what": "disk", "layer": f"{row['peer']} x{row['calls']}", "resource": row["resource"],
+                        "slope_ms": row["ms"] / row["rows"], "flags": ""})  # fmt: skip
+    misses = disk[disk["peer"] == "miss"]
+    if not misses.empty:  # a row the shards' RAM misses: read back cold, and one written out for it
+        terms["disk_ms_per_row"] = round6(float(misses["ms"].sum() / misses["rows"].sum()))
     probes = measurements[measurements["kind"] == "probe"]
     if probes.empty:
         return terms

@@ -1,7 +1,7 @@
 """Each kind of measurement a profile takes (profiler.py's `measure` runs them in order): what the
 type's actors run and the rows (rows.Row) it gives: layers at each batch size, 1 vs 2 replicas, messages
-between types, an actor's own work per call, the PS shard, the input read rate and each machine's
-background load."""
+between types, an actor's own work per call, the PS shard, the input read rate, the PS type's disk
+and each machine's background load."""
 
 from __future__ import annotations
 
@@ -356,3 +356,31 @@ def _synthetic_keys(batch_size: int, num_slots: int, rng: np.random.Generator) -
     ids = rng.zipf(1.2, size=(batch_size, num_slots)) % 1_000_003
     slots = np.arange(num_slots, dtype=np.int64)[None, :]
     return (ids.astype(np.int64) * 1_000_003 + slots * 7_919) ^ np.int64(0x2545F4914F6CDD1D)
+
+
+def disk_runs(
+    job: JobConfig,
+    spec: ModelSpec,
+    present: list[ResourceType],
+    actors: dict[str, list[Any]],
+    wait: Waiter,
+) -> list[Row]:
+    """The PS type's local disk where it declares one (``disk_dir``), timed on its first actor as a PS
+    shard's disk tier uses it (ps/disk_timing.py): a row of kind ``disk`` per setting, `peer` what was
+    timed ("cold", "warm", "append", "miss"), `calls` the reads in flight, `ms` over `rows` records."""
+    from heterps_ray.ps.spec import sparse_spec
+
+    names = [t.name for t in present]
+    ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
+    ps = job.cluster.type(ps_name)
+    if ps.disk_dir is None:
+        return []
+    table = sparse_spec(job, spec.embedding_dim, spec.embedding_init_scale)
+    acc_width = 1 if table.optimizer == "rowwise_adagrad" else table.dim
+    timings = wait(
+        actors[ps_name][0].time_disk.remote(
+            ps.disk_dir, table.dim, acc_width, table.disk_reads_in_flight, ps.disk_gb
+        ),
+        f"{ps_name} disk",
+    )
+    return [Row("disk", ps_name, peer=what, calls=depth, rows=rows, ms=ms) for what, depth, rows, ms in timings]

@@ -7,8 +7,9 @@ GPU type: a DeviceError where its actor finds no GPU; one actor where the cluste
 two, refused before any wait where they hold none) runs every layer forward and backward (plus its Adam step) at several
 batch sizes, with warm-up and repeats; the same layer on one actor and on both at once gives the
 parallel fraction; messages of several sizes between actors give each type's bandwidth and latency;
-a real :class:`~heterps_ray.ps.shard.PSShard` gives the PS service rate. This module starts the
-actors, runs each kind of measurement (measurements.py) and gathers their rows (:class:`ProfileRun`;
+a real :class:`~heterps_ray.ps.shard.PSShard` gives the PS service rate, and the PS type's local
+disk (where it declares one) the price of a row its shards' RAM misses (ps/disk_timing.py). This
+module starts the actors, runs each kind of measurement (measurements.py) and gathers their rows (:class:`ProfileRun`;
 the runtime probes after them: probes.py);
 :func:`heterps_ray.profiling.fit.fit_problem` turns the measurements into a problem file.
 
@@ -39,6 +40,7 @@ from heterps_ray.profiling.measurements import (
     PSProbe,
     call_runs,
     device_table_runs,
+    disk_runs,
     host_runs,
     input_runs,
     layer_rounds,
@@ -354,6 +356,7 @@ def measure(
         rows += input_runs(job, present, actors, settings, wait)
         if gpu_table_setting(job) == "auto":
             rows += device_table_runs(job, spec, present, actors, settings, wait)
+        rows += disk_runs(job, spec, present, actors, wait)
         bar.update()
         bar.set_postfix_str("machines and their background load")
         rows += host_runs(present, actors, settings, wait)

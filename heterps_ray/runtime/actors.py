@@ -335,9 +335,10 @@ class ActorSet:
         shards and at the end; nothing to do where the rows live on the shards)."""
         ray.get([w.flush_table.remote() for w in self.data_workers])
 
-    def table_stats(self) -> dict[str, Any]:
+    def table_stats(self, lookups: int = 0) -> dict[str, Any]:
         """Where the table's rows lived and, in GPU memory, the tier's counters summed over the
-        DataWorkers (hit rate: lookups served from the GPU over all lookups)."""
+        DataWorkers (hit rate: lookups served from the GPU over all lookups); with a disk tier, its
+        counters over the run's `lookups` (the batches' sparse keys, each time a key is looked up)."""
         parts = ray.get([w.table_stats.remote() for w in self.data_workers])
         out: dict[str, Any] = {"tier": parts[0]["place"] if parts else "ps"}
         for key in ("hits", "misses", "fetched", "written_back", "evicted", "rows_held", "device_bytes"):
@@ -347,21 +348,24 @@ class ActorSet:
             looked = out["hits"] + out["misses"]
             out["hit_rate"] = out["hits"] / looked if looked else None
         if self.table.disk_dir:
-            out.update(self._disk_stats())
+            out.update(self._disk_stats(lookups))
         return out
 
-    def _disk_stats(self) -> dict[str, Any]:
-        """The shards' disk tier, summed: rows in RAM and on disk now, and the share of lookups whose
-        row was in RAM (``ram_hit_rate``)."""
+    def _disk_stats(self, lookups: int) -> dict[str, Any]:
+        """The shards' disk tier, summed: rows in RAM and on disk now, and the share of the run's
+        `lookups` whose row was in RAM (``ram_hit_rate``, in the unit of the plan's estimate,
+        costmodel/hit_rates.py). A shard counts each distinct key of a call once (its client sent it
+        once): a miss is a distinct key of a call whose row was not in RAM, and a key looked up again in
+        the same batch finds its row there, as in the estimate's LRU."""
         shards = self.ps_stats()
         tables = [s["disk"][SPARSE_TABLE] for s in shards if SPARSE_TABLE in s.get("disk", {})]
         rows = [s["rows"][SPARSE_TABLE] for s in shards]
         on_disk = sum(int(t["disk_rows"]) for t in tables)
-        hits, misses = sum(int(t["disk_hits"]) for t in tables), sum(int(t["disk_misses"]) for t in tables)
+        misses = sum(int(t["disk_misses"]) for t in tables)
         return {
             "ram_rows": sum(rows) - on_disk,
             "disk_rows": on_disk,
-            "ram_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "ram_hit_rate": 1.0 - misses / lookups if lookups else None,
         }
 
     def ps_stats(self) -> list[dict[str, Any]]:

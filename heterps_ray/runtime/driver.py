@@ -211,6 +211,7 @@ def train(
         counts = loop.supervised(
             "accounting", lambda: accounting(actors, history["positions"], recovery.progress)
         )
+        this_run = history["samples"] - start.get("samples", 0)
         if tracker is not None:
             tracker.log_final({f"eval/{k}": float(metrics[k]) for k in ("auc", "logloss") if k in metrics})
         summary = RunSummary(
@@ -243,7 +244,11 @@ def train(
                 "restarts": recovery.restarts,
                 "max_restarts": job.runtime.max_restarts,
                 "start": started,
-                "table": {"place": actors.place.describe(), **loop.supervised("stats", actors.table_stats)},
+                "table": {
+                    "place": actors.place.describe(),
+                    # the tiers count from this process's start: a resumed run's lookups since then
+                    **loop.supervised("stats", lambda: actors.table_stats(lookups=this_run * model.num_slots)),
+                },
                 **counts,
             },
         )
