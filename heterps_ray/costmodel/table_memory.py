@@ -284,6 +284,16 @@ def figures(table: PSTable, ps_type: str, cap: int, disk: str = "") -> str:
     return line
 
 
+def disk_line(table: PSTable, ps_type: str) -> str:
+    """Where a table that went to the PS type's disk lives, for `heterps plan`: its rows in the shards'
+    RAM and on their disks, and the share of lookups RAM serves (at its ``shards_needed``)."""
+    return (
+        f"table: {table.rows - table.disk_rows:,} rows in the RAM of {table.shards_needed:,} PS shard(s) on "
+        f"{ps_type!r}, {table.disk_rows:,} on their disks (disk_gb {table.disk_gb or 0:,g} GiB each), "
+        f"~{table.ram_hit_rate:.1%} of lookups served from RAM (estimated)"
+    )
+
+
 def check_table_fits(problem: Any, file: str) -> None:
     """Refuse (InfeasibleError, exit 3) a problem whose table needs more PS shards than its PS type has
     instances: no plan can hold it. Called before any scheduler runs."""

@@ -72,7 +72,7 @@ def register(subparsers: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from heterps_ray.config import writable
     from heterps_ray.costmodel import load_problem
-    from heterps_ray.costmodel.table_memory import check_table_fits
+    from heterps_ray.costmodel.table_memory import check_table_fits, disk_line
     from heterps_ray.errors import ConfigError
     from heterps_ray.scheduling import get_scheduler
 
@@ -90,6 +90,9 @@ def _plan(args: argparse.Namespace) -> int:
     scheduler = get_scheduler(args.scheduler, seed=args.seed, budget_s=args.budget_s, **options)
     plan = scheduler.schedule(problem)
     print(plan.table())
+    table = problem.ps.table
+    if table is not None and table.disk_rows and not plan.ps_hosted:  # the plan's ps row says "RAM + disk"
+        print(disk_line(table, problem.ps_resource))
     proof = plan.extra.get("proof", {})
     if proof.get("proven") is False:
         limit = "" if args.budget_s is None else f", --budget-s {args.budget_s:g}"

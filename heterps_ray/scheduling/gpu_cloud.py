@@ -314,11 +314,11 @@ def tier_terms(kind: Kind, dim: int) -> tuple[float, float]:
     row = device_row_bytes(dim, OPTIMIZER)
     overhead = TIER_DEVICE_MS_PER_ROW_H200 * H200_BANDWIDTH_GBS / kind.memory_bandwidth_gbs
     device = overhead + 2.0 * row / (0.5 * kind.memory_bandwidth_gbs * BYTES_PER_MS_PER_GBS)
-    miss = HOSTED_MS_PER_ROW * _row_scale(dim) + 2.0 * row / (kind.pcie_gbs * BYTES_PER_MS_PER_GBS)
+    miss = HOSTED_MS_PER_ROW * row_scale(dim) + 2.0 * row / (kind.pcie_gbs * BYTES_PER_MS_PER_GBS)
     return TIER_HOST_MS_PER_ROW + device, miss
 
 
-def _row_scale(dim: int) -> float:
+def row_scale(dim: int) -> float:
     """A PS row's cost at `dim` over its cost at dim 16 (the measured one): half per row, half per byte."""
     return 0.5 + 0.5 * dim / 16
 
@@ -328,7 +328,7 @@ def runtime_section(kinds: list[Kind], dim: int, hosted: bool) -> dict[str, Any]
     micro-batches, a call 2 ms on CPU types and 1 ms on GPUs (as generator.with_runtime_section), the
     PS costs per row (half of them per row, half the row's bytes: scaled from dim 16), and each GPU
     kind's tier; shards hosted where every first-layer type holds the table, else actors."""
-    scale = _row_scale(dim)
+    scale = row_scale(dim)
     gpus = [k for k in kinds if k.device == "cuda"]
     tiers = {k.name: tier_terms(k, dim) for k in gpus}
     return {
