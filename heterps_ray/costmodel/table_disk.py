@@ -129,19 +129,28 @@ def disk_plan(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str)
         return None
     if settings.ttl_batches or settings.max_shard_mb:
         return None
-    rows = estimate.rows
+    plan = disk_layout(estimate.rows, budget, dim, optimizer, settings.admit_after, ps.disk_gb, ps.disk_dir)
+    split = plan.split(min(plan.shards, ps.max_instances))
+    hit = cache_hit_rate(job, split.shards * split.hot_rows, plan.rows) if split.disk_rows else 1.0
+    return replace(plan, hit_rate=hit)
+
+
+def disk_layout(
+    rows: int, budget: float, dim: int, optimizer: str, admit_after: int, disk_gb: float, disk_dir: str
+) -> DiskPlan:
+    """A table of `rows` (embedding `dim`, sparse `optimizer`, admission after `admit_after` pulls) on
+    shards of `budget` bytes of table memory and `disk_gb` of disk under `disk_dir` each, laid out over
+    the fewest shards that hold it (SHARDS_LIMIT: none do); its hit rate is the caller's to set (a job's
+    data: :func:`disk_plan`; a simulated table: its key popularity)."""
     plan = DiskPlan(
         rows,
-        max_rows_for(budget, dim, optimizer, admit_after=settings.admit_after) if budget > 0 else 0,
+        max_rows_for(budget, dim, optimizer, admit_after=admit_after) if budget > 0 else 0,
         INDEX_BYTES_PEAK / stored_bytes_per_row(dim, optimizer, tracked=True),
         record_dtype(dim, 1 if optimizer == "rowwise_adagrad" else dim).itemsize,
-        ps.disk_gb,
-        ps.disk_dir,
+        disk_gb,
+        disk_dir,
     )
-    shards = _fewest(plan.holds)
-    split = plan.split(min(shards, ps.max_instances))
-    hit = cache_hit_rate(job, split.shards * split.hot_rows, rows) if split.disk_rows else 1.0
-    return replace(plan, shards=shards, hit_rate=hit)
+    return replace(plan, shards=_fewest(plan.holds))
 
 
 def disk_figure(table: PSTable) -> str:

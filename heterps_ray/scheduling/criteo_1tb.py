@@ -41,10 +41,10 @@ from typing import Any
 
 from heterps_ray.costmodel import Plan, Problem, problem_from_dict
 from heterps_ray.costmodel.table_disk import DiskPlan
+from heterps_ray.costmodel.table_disk import disk_layout as disk_layout_of
 from heterps_ray.costmodel.table_memory import GIB
 from heterps_ray.errors import ConfigError
-from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, record_dtype
-from heterps_ray.ps.row_bytes import max_rows_for, stored_bytes_per_row
+from heterps_ray.ps.row_bytes import stored_bytes_per_row
 from heterps_ray.scheduling.generator import layer_entry
 from heterps_ray.scheduling.gpu_cloud import (
     KINDS,
@@ -146,22 +146,14 @@ def criteo_1tb_problem(
 
 
 def disk_layout(dim: int = DIM, zipf: float = ZIPF_EXPONENT, shards: int | None = None) -> DiskPlan:
-    """The table on ``cpu_nvme``: each shard's RAM budget in rows, the index share and record bytes a row
-    on disk takes, as table_disk.disk_plan sets them for a job without admission (it takes a job and its
-    dataset's keys for the hit rate; a simulated table has neither); `shards` (default: the fewest that
-    hold it, at most MAX_INSTANCES) and the share of lookups their hot rows serve (gpu_cloud.hit_rate,
-    an LRU cache under the Zipf popularity). A ConfigError where MAX_INSTANCES shards cannot hold it."""
+    """The table on ``cpu_nvme``, laid out as table_disk lays out a job's table without admission, over
+    `shards` (default: the fewest that hold it, at most MAX_INSTANCES), and the share of lookups their
+    hot rows serve (gpu_cloud.hit_rate, an LRU cache under the Zipf popularity; a job's comes from its
+    data's keys, which a simulated table has not). A ConfigError where MAX_INSTANCES shards cannot hold it."""
     budget = host_budget_gib(NVME_KIND) * GIB
-    plan = DiskPlan(
-        TABLE_ROWS,
-        max_rows_for(budget, dim, OPTIMIZER),
-        INDEX_BYTES_PEAK / stored_bytes_per_row(dim, OPTIMIZER, tracked=True),
-        record_dtype(dim, dim).itemsize,  # Adagrad: an accumulator per weight
-        NVME_DISK_GB,
-        NVME_DISK_DIR,
-    )
-    fewest = next((n for n in range(1, MAX_INSTANCES + 1) if plan.holds(n)), None)
-    if fewest is None:
+    plan = disk_layout_of(TABLE_ROWS, budget, dim, OPTIMIZER, 1, NVME_DISK_GB, NVME_DISK_DIR)
+    fewest = plan.shards
+    if fewest > MAX_INSTANCES:
         raise ConfigError(
             "disk_layout", "dim", f"a table {MAX_INSTANCES} shards hold: {plan.shortfall(MAX_INSTANCES)}", dim
         )
