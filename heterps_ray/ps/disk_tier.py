@@ -306,28 +306,29 @@ class DiskTier:
     def __len__(self) -> int:
         return self.disk.live_count
 
-    def before_pull(self, keys: np.ndarray) -> None:
-        """A creating pull of `keys` is next: its rows in RAM are kept there (seen now), room is made
-        for the rest (the least recent rows spilled), and those on disk are read back."""
+    def before_pull(self, keys: np.ndarray, unique: bool = False) -> None:
+        """A creating pull of `keys` (`unique`: distinct) is next: its rows in RAM are kept there (seen
+        now), room is made for the rest (the least recent rows spilled), and those on disk are read back."""
         found = np.empty(len(keys), dtype=np.uint8)
         self.rows.has(keys, found, True)
         absent = found == 0
-        missing = np.unique(keys[absent])
+        missing = _distinct_sorted(keys[absent], unique)
         self.stats.misses += int(absent.sum())
         self.stats.hits += len(keys) - int(absent.sum())
         self.make_room(len(missing))  # first: a spill re-indexes the disk rows (positions move)
         pos, on_disk = self.disk.find(missing)
         self._promote(pos[on_disk])
 
-    def before_write(self, keys: np.ndarray) -> None:
-        """A push or a tier's write-back of `keys` is next: their rows on disk (spilled since their
-        pull, by another call's pull) come back, past the budget until the write is done (the table
-        then calls :meth:`make_room`: a spill before it could take a row the write needs)."""
+    def before_write(self, keys: np.ndarray, unique: bool = False) -> None:
+        """A push or a tier's write-back of `keys` (`unique`: distinct) is next: their rows on disk
+        (spilled since their pull, by another call's pull) come back, past the budget until the write
+        is done (the table then calls :meth:`make_room`: a spill before it could take a row the write
+        needs)."""
         found = np.empty(len(keys), dtype=np.uint8)
         self.rows.has(keys, found, False)
         if found.all():
             return
-        pos, on_disk = self.disk.find(np.unique(keys[found == 0]))
+        pos, on_disk = self.disk.find(_distinct_sorted(keys[found == 0], unique))
         self._promote(pos[on_disk])
 
     @property
@@ -447,6 +448,12 @@ def read_linked(npz: NpzReader, prefix: str, dtype: np.dtype, chunk: int) -> Ite
             yield out
     finally:
         os.close(fd)
+
+
+def _distinct_sorted(keys: np.ndarray, unique: bool) -> np.ndarray:
+    """`keys` distinct and sorted (the index's lookups go in its order); `unique`: distinct already (a
+    PS client sent each key once), so a sort does."""
+    return np.sort(keys) if unique else np.unique(keys)
 
 
 def _return_freed_memory() -> None:

@@ -225,7 +225,7 @@ class SparseTable(TableSnapshots):
         if create:
             self._advance(self._step + 1 if step is None else step)
             if self._disk is not None:
-                self._disk.before_pull(keys)
+                self._disk.before_pull(keys, unique)
         self._rows.pull(keys, out, unique, create, self._step)
         if self._disk is not None and not create:
             self._disk.fill(keys, out)
@@ -239,7 +239,7 @@ class SparseTable(TableSnapshots):
         grads = np.ascontiguousarray(grads, dtype=np.float32).reshape(len(keys), self.dim)
         if self._disk is None:
             return int(self._rows.push(keys, grads, unique))
-        self._disk.before_write(keys)
+        self._disk.before_write(keys, unique)
         applied = int(self._rows.push(keys, grads, unique))
         self._disk.make_room(0)  # rows brought back for the write leave again once it is done
         return applied
