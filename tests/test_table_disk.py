@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,21 @@ def test_a_table_over_the_ps_types_memory_goes_to_its_disk_with_the_fewest_shard
     no_disk = _job(tmp_path, data, 0.0001, None)
     with pytest.raises(InfeasibleError, match="no plan can hold the table"):
         check_job_table(no_disk, estimate_table(no_disk))
+
+
+def test_where_ram_holds_the_table_on_more_shards_the_disk_is_an_option_to_weigh(data, tmp_path):
+    job = _job(tmp_path, data, 0.0005, 1.0)
+    estimate = estimate_table(job)
+    budget = 0.0005 * GIB
+    assert estimate is not None and estimate.disk is None and estimate.shards_within(budget) == 4  # of 4
+    option = estimate.disk_option
+    assert option is not None and option.shards == 1 and 0.0 < option.hit_rate < 1.0
+    taken = estimate.on_disk()
+    assert taken.disk == option and taken.disk_option is None and taken.shards_within(budget) == 1
+    assert table_section(job, taken)["disk_rows"] > 0 and "disk_rows" not in table_section(job, estimate)
+    # nothing to weigh where RAM holds it on the fewest shards, or the type declares no disk
+    assert estimate_table(_job(tmp_path, data, None, 1.0)).disk_option is None
+    assert estimate_table(_job(tmp_path, data, 0.0005, None)).disk_option is None
 
 
 def test_a_job_short_of_disk_is_refused_with_the_figures(data, tmp_path):
@@ -206,3 +222,19 @@ def test_run_trains_the_quickstart_on_the_ps_types_disk_to_its_auc_in_ram(tmp_pa
     in_ram = json.loads((tmp_path / "ram" / "run_report.json").read_text())
     assert "disk_rows" not in in_ram["sparse_table"]
     assert report["auc"] == pytest.approx(in_ram["auc"], abs=0.002), (report["auc"], in_ram["auc"])
+
+    # RAM holds the table on the type's 4 instances, the disk on 2: both planned, the cheaper trained
+    code, out = _run(_quickstart(tmp_path, "weighed", data, _cluster(tmp_path, 2 * TIGHT_GB, 1.0)))
+    assert code == 0, out
+    weighed = re.search(
+        r"table: in RAM on 4 shard\(s\) ([\d.]+) \$ at [\d.]+ \$/h; on the PS type's disk on 2 "
+        r"\([\d.]+% of lookups from RAM\) ([\d.]+) \$ at [\d.]+ \$/h: (RAM|the disk)",
+        out,
+    )
+    assert weighed, out
+    ram_cost, disk_cost, chosen = float(weighed[1]), float(weighed[2]), weighed[3]
+    assert chosen == ("the disk" if disk_cost < ram_cost else "RAM"), weighed[0]
+    plan = json.loads((tmp_path / "weighed" / "plan.json").read_text())
+    trained = json.loads((tmp_path / "weighed" / "run_report.json").read_text())["sparse_table"]
+    assert plan["cost"] == pytest.approx(min(ram_cost, disk_cost), rel=1e-3)
+    assert (plan["ps_shards"], "disk_rows" in trained) == ((2, True) if chosen == "the disk" else (4, False))

@@ -1,6 +1,6 @@
 """The problem the closed loop plans on, as the cluster changes: a problem file given instead of a
-profile, the problem restricted to the resource types present now, and a type that joins mid-run
-profiled when it joins."""
+profile, the same problem with its table on the PS type's disk (to weigh against RAM), the problem
+restricted to the resource types present now, and a type that joins mid-run profiled when it joins."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def given_problem(path: Path, job: JobConfig, copy: Path, estimate: TableEstimat
     if path.resolve() != copy.resolve():
         problem.save(copy)
     return problem
+
+
+def with_table_estimate(problem: Problem, job: JobConfig, estimate: TableEstimate) -> Problem:
+    """`problem` with `job`'s table as `estimate` has it (its ``ps.table`` section rewritten): the same
+    layers, types and runtime terms, the table's shards and place (RAM, or the PS type's disk) changed."""
+    data = problem.to_dict()
+    with_table(data, job, estimate=estimate)
+    return problem_from_dict(data, f"{problem.name} (the job's table as estimated)")
 
 
 def restrict_problem(problem: Problem, types: list[str]) -> Problem:

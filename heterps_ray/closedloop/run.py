@@ -42,7 +42,7 @@ import ray
 
 from heterps_ray.closedloop.autoscale import NodeWait, PlanNodes, profile_nodes
 from heterps_ray.closedloop.probes import profile_job
-from heterps_ray.closedloop.problems import given_problem
+from heterps_ray.closedloop.problems import given_problem, with_table_estimate
 from heterps_ray.closedloop.replan import Decisions, Replanner, feasible
 from heterps_ray.closedloop.report import REPORT_FILE, RunReport, build_report, floor_error, plan_line
 from heterps_ray.closedloop.state import STATE_FILE, has_state, load_state, save_state
@@ -125,6 +125,7 @@ def run_job(
             else:
                 decisions = saved[0]
                 print(f"resuming {out} with {plan_line(decisions.plan)}")
+            estimate = _as_planned(estimate, decisions.plan)  # RAM or the disk, as the plan weighed them
             save_state(out, job, decisions, seconds)
             with _timed(seconds, "train"):
                 summary, gave_up = _train(
@@ -174,9 +175,52 @@ def _plan(
         problem = _problem(job, estimate, settings, out, problem_file, seconds)
     check_table_fits(problem, str(out / "problem.yaml"))
     with _timed(seconds, "plan"):
-        plan = feasible(scheduler.schedule(problem), problem, job)
+        plan = scheduler.schedule(problem)
+        if estimate is not None and estimate.disk_option is not None:
+            problem, plan = _weigh_disk(job, scheduler, problem, plan, estimate, out)
+        plan = feasible(plan, problem, job)
     print(plan.table())
     return Decisions(problem, plan, plan.save(out / "plan.json"))
+
+
+def _weigh_disk(
+    job: JobConfig, scheduler: Scheduler, problem: Problem, plan: Plan, estimate: TableEstimate, out: Path
+) -> tuple[Problem, Plan]:
+    """The table all in the PS type's RAM (`problem`, its `plan`) or on its disk with fewer shards
+    (estimate.disk_option): the problem and plan of the cheaper that meets the floor (neither: the
+    faster; the disk's is saved as output_dir/problem.yaml). Each is planned by `scheduler` on the same
+    profile, so its price weighs the disk rows' time against the PS instances they save; a line says
+    both."""
+    on_disk = with_table_estimate(problem, job, estimate.on_disk())
+    disk_plan = scheduler.schedule(on_disk)
+    if disk_plan.feasible and plan.feasible:
+        take_disk = disk_plan.cost < plan.cost
+    else:
+        take_disk = disk_plan.feasible or (not plan.feasible and disk_plan.throughput > plan.throughput)
+    assert problem.ps.table is not None and on_disk.ps.table is not None
+    print(
+        f"table: in RAM on {problem.ps.table.shards_needed} shard(s) {_priced(plan)}; on the PS type's disk on "
+        f"{on_disk.ps.table.shards_needed} ({on_disk.ps.table.ram_hit_rate:.1%} of lookups from RAM) "
+        f"{_priced(disk_plan)}: {'the disk' if take_disk else 'RAM'}"
+    )
+    if not take_disk:
+        return problem, plan
+    on_disk.save(out / "problem.yaml")
+    return on_disk, disk_plan
+
+
+def _priced(plan: Plan) -> str:
+    if plan.feasible:
+        return f"{plan.cost:.4g} $ at {plan.cost_rate:.3f} $/h"
+    return f"no plan meets the floor (at most {plan.throughput:,.0f} samples/s)"
+
+
+def _as_planned(estimate: TableEstimate | None, plan: Plan) -> TableEstimate | None:
+    """The table estimate the plan was made for: with its disk option taken where the plan keeps rows
+    on disk (a resumed run reads the choice back from its saved plan)."""
+    if estimate is not None and plan.on_disk and estimate.disk is None:
+        return estimate.on_disk()
+    return estimate
 
 
 def _claim(out: Path, overwrite: bool) -> None:

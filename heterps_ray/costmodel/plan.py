@@ -226,11 +226,16 @@ class Plan:
         return "\n".join(lines)
 
 
+    @property
+    def on_disk(self) -> bool:
+        """The shard actors keep the rows their RAM does not hold on the PS type's disk."""
+        return self.table_place in ("ps", None) and not self.ps_hosted and self.table_hit_rate is not None
+
     def _table_row(self) -> str:
         """Where the rows live and at what rate: the shard actors' own rate, or, where stage 0 holds
         them (hosted shards, its GPU's memory), its ms a batch for them and the rate that alone allows."""
         if self.table_place in ("ps", None) and not self.ps_hosted:
-            what = "(parameter server)" if self.table_hit_rate is None else f"(RAM + disk, {self.table_hit_rate:.1%} RAM hits)"
+            what = f"(RAM + disk, {self.table_hit_rate:.1%} RAM hits)" if self.on_disk else "(parameter server)"
             return f"{'ps':<6} {what:<28} {self.ps_type:<10} {self.ps_shards:>8} {'-':>16} {_num(self.ps_throughput):>23}"
         if self.table_place in ("ps", None):
             where, count = f"{self.ps_shards} PS shard(s) in stage 0", self.ps_shards

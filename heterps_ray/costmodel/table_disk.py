@@ -117,18 +117,45 @@ def disk_plan(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str)
     """Where `job`'s table (`estimate`, embedding `dim`, sparse `optimizer`) goes on disk: None where the
     PS type's memory holds it within its max_instances, the type declares no disk, the job keeps its own
     disk tier (``table.disk_dir``), or the shards expire or cap their rows (no disk tier then)."""
+    if _ram_shards(job, estimate) <= _ps_type(job).max_instances:
+        return None  # RAM holds it
+    return _on_types_disk(job, estimate, dim, optimizer)
+
+
+def disk_option(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str) -> DiskPlan | None:
+    """The table on the PS type's disk as an alternative where RAM holds it too, but on more shards than
+    the disk needs (more PS instances): the planner weighs the two, its price deciding whether the disk
+    rows' time costs less than the instances they save (closedloop/run.py). None where RAM alone holds
+    it on the fewest shards, or there is no disk tier to weigh (as for :func:`disk_plan`)."""
+    ram = _ram_shards(job, estimate)
+    if ram > _ps_type(job).max_instances or ram <= job.cluster.ps.min_shards:
+        return None
+    plan = _on_types_disk(job, estimate, dim, optimizer)
+    return plan if plan is not None and plan.shards < ram else None
+
+
+def _ps_type(job: JobConfig) -> Any:
+    return job.cluster.type(job.cluster.ps_resource)
+
+
+def _ram_shards(job: JobConfig, estimate: TableEstimate) -> int:
+    """The shards that hold `estimate`'s table in the PS type's table memory alone."""
     # table_memory sizes the table and imports this module
     from heterps_ray.costmodel.table_memory import shards_needed
 
-    cluster, settings = job.cluster, job.table
-    ps = cluster.type(cluster.ps_resource)
-    budget = cluster.table_memory_gb(ps.name) * GIB
-    if shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes) <= ps.max_instances:
-        return None  # RAM holds it
+    budget = job.cluster.table_memory_gb(job.cluster.ps_resource) * GIB
+    return shards_needed(estimate.total_bytes, budget, estimate.shard_cap_bytes)
+
+
+def _on_types_disk(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: str) -> DiskPlan | None:
+    """The table laid out on the PS type's disk with its hit rate from the job's data; None where the
+    type declares no disk, the job keeps its own disk tier, or its shards expire or cap rows."""
+    settings, ps = job.table, _ps_type(job)
     if ps.disk_gb is None or ps.disk_dir is None or settings.disk_dir:
         return None
     if settings.ttl_batches or settings.max_shard_mb:
         return None
+    budget = job.cluster.table_memory_gb(ps.name) * GIB
     plan = disk_layout(estimate.rows, budget, dim, optimizer, settings.admit_after, ps.disk_gb, ps.disk_dir)
     split = plan.split(min(plan.shards, ps.max_instances))
     hit = cache_hit_rate(job, split.shards * split.hot_rows, plan.rows) if split.disk_rows else 1.0

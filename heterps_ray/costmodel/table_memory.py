@@ -40,7 +40,7 @@ from typing import Any
 from heterps_ray.config import JobConfig
 from heterps_ray.costmodel.hit_rates import gpu_hit_rate
 from heterps_ray.costmodel.problem import PSTable
-from heterps_ray.costmodel.table_disk import DiskPlan, disk_figure, disk_plan
+from heterps_ray.costmodel.table_disk import DiskPlan, disk_figure, disk_option, disk_plan
 from heterps_ray.errors import ConfigError, DataError, InfeasibleError
 from heterps_ray.ps.row_bytes import CANDIDATE_BYTES, INDEX_BYTES, device_rows_within, stored_bytes_per_row
 from heterps_ray.ps.spec import sparse_spec
@@ -63,6 +63,12 @@ class TableEstimate:
     waiting: int = 0  # keys seen but not admitted (admission): a candidate each, no row
     bytes_per_waiting: float = 0.0
     disk: DiskPlan | None = None  # the PS type's memory cannot hold it: hot rows in RAM, the rest on disk
+    # RAM holds it, on more shards than the PS type's disk would need: the planner weighs the two
+    disk_option: DiskPlan | None = None
+
+    def on_disk(self) -> TableEstimate:
+        """This table with its disk option taken (its shards then keep their cold rows on disk)."""
+        return replace(self, disk=self.disk_option, disk_option=None) if self.disk_option else self
 
     @property
     def total_bytes(self) -> float:
@@ -187,7 +193,11 @@ def estimate_table(job: JobConfig, dim: int | None = None) -> TableEstimate | No
         waiting,
         BYTES_PER_WAITING if waiting else 0.0,
     )
-    return replace(estimate, disk=disk_plan(job, estimate, dim, spec.optimizer))
+    return replace(
+        estimate,
+        disk=disk_plan(job, estimate, dim, spec.optimizer),
+        disk_option=disk_option(job, estimate, dim, spec.optimizer),
+    )
 
 
 def shards_needed(table_bytes: float, budget_bytes: float, shard_cap_bytes: float = math.inf) -> int:
