@@ -20,9 +20,16 @@ import yaml
 
 from heterps_ray.config import load_job
 from heterps_ray.costmodel import load_problem, problem_from_dict
-from heterps_ray.costmodel.problem import RuntimeTerms
+from heterps_ray.costmodel.problem import PSTable, RuntimeTerms
 from heterps_ray.costmodel.runtime_terms import table_rate
-from heterps_ray.costmodel.table_memory import GIB, check_job_table, estimate_table, table_section
+from heterps_ray.costmodel.table_memory import (
+    GIB,
+    check_job_table,
+    estimate_table,
+    figures,
+    shards_needed,
+    table_section,
+)
 from heterps_ray.data.synth import synthesize
 from heterps_ray.errors import InfeasibleError
 from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, record_dtype
@@ -108,6 +115,18 @@ def test_where_ram_holds_the_table_on_more_shards_the_disk_is_an_option_to_weigh
     # nothing to weigh where RAM holds it on the fewest shards, or the type declares no disk
     assert estimate_table(_job(tmp_path, data, None, 1.0)).disk_option is None
     assert estimate_table(_job(tmp_path, data, 0.0005, None)).disk_option is None
+
+
+def test_a_tiny_budget_counts_its_shards_exactly_and_reads_as_itself(data, tmp_path):
+    """A budget under a MiB (the tests' clusters) is not rounded away: the problem's shards are counted
+    from the budget the run's checks use, and the messages print it."""
+    job = _job(tmp_path, data, 0.00016, None)  # 0.000 at three decimals
+    estimate = estimate_table(job)
+    section = table_section(job, estimate)
+    assert section["shards_needed"] == shards_needed(estimate.total_bytes, 0.00016 * GIB) >= 2
+    assert section["budget_gb"]["cpu_small"] == 0.00016
+    table = PSTable(**{**section, "budget_gb": {"cpu_small": 0.00016}})
+    assert "cpu_small 0.00016 GiB" in figures(table, "cpu_small", 1)
 
 
 def test_a_job_short_of_disk_is_refused_with_the_figures(data, tmp_path):

@@ -92,6 +92,12 @@ def table_figure(rows: int, bytes_per_row: float, waiting: int = 0, bytes_per_wa
     return f"{rows:,} expected rows x {bytes_per_row:.1f} B/row{wait} = {total:,.1f} GiB"
 
 
+def gib(value: float) -> str:
+    """GiB as the messages show them: two decimals, or two significant digits below 0.01 (a test
+    cluster's budget of 0.0005 GiB does not read 0.00)."""
+    return f"{value:,.2f}" if value >= 0.01 else f"{value:.2g}"
+
+
 def expected_rows(meta: dict[str, Any], job: JobConfig, meta_file: str) -> tuple[int, int, list[str]]:
     """The rows `job`'s table is expected to reach on the dataset described by `meta` (its
     ``_meta.json``), the keys left waiting for admission, and notes on how they were counted. A
@@ -211,19 +217,19 @@ def shards_needed(table_bytes: float, budget_bytes: float, shard_cap_bytes: floa
 
 
 def budgets_gb(job: JobConfig) -> dict[str, float]:
-    """Each resource type's table budget, GiB per actor."""
-    return {t.name: round(job.cluster.table_memory_gb(t.name), 3) for t in job.cluster.resource_types}
+    """Each resource type's table budget, GiB per actor, to 4 significant digits (the problem file's;
+    the shards a table needs are counted from the exact budget)."""
+    return {t.name: float(f"{job.cluster.table_memory_gb(t.name):.4g}") for t in job.cluster.resource_types}
 
 
 def table_section(job: JobConfig, estimate: TableEstimate) -> dict[str, Any]:
     """The problem's ``ps.table`` section for `job`'s table `estimate`: rows, bytes_per_row, budget_gb
     per type, shards_needed on the PS type (and shard_cap_gb, notes)."""
-    budgets = budgets_gb(job)
-    budget = budgets[job.cluster.ps_resource] * GIB
+    budget = job.cluster.table_memory_gb(job.cluster.ps_resource) * GIB  # as the run's checks count it
     section: dict[str, Any] = {
         "rows": estimate.rows,
         "bytes_per_row": round(estimate.bytes_per_row, 2),
-        "budget_gb": budgets,
+        "budget_gb": budgets_gb(job),
         "shards_needed": estimate.shards_within(budget),
     }
     if estimate.disk is not None:
@@ -281,7 +287,7 @@ def with_table(
 def figures(table: PSTable, ps_type: str, cap: int, disk: str = "") -> str:
     """The figures of a table that no plan (or a given plan) can hold, for the refusal's message (`disk`:
     why the PS type's disk cannot hold it either, from its DiskPlan; else from the table's own fields)."""
-    budgets = ", ".join(f"{name} {gb:.2f} GiB" for name, gb in table.budget_gb.items())
+    budgets = ", ".join(f"{name} {gib(gb)} GiB" for name, gb in table.budget_gb.items())
     figure = table_figure(table.rows, table.bytes_per_row, table.waiting, table.bytes_per_waiting)
     line = (
         f"the sparse table's {figure} need {table.shards_needed:,} PS shards on {ps_type!r} (table budget "
@@ -362,7 +368,7 @@ def check_plan_holds(
         plan_file,
         "ps_shards",
         f"PS shards that hold the table: {estimate.figure()} over {num_shards} shard(s) on {job.cluster.ps_resource!r} is "
-        f"{per_shard / GIB:,.2f} GiB per shard, over the type's table budget of {budget / GIB:.2f} GiB per "
+        f"{gib(per_shard / GIB)} GiB per shard, over the type's table budget of {gib(budget / GIB)} GiB per "
         f"actor (at least {need:,} shards needed, its max_instances is "
         f"{job.cluster.type(job.cluster.ps_resource).max_instances})",
         num_shards,
