@@ -263,14 +263,14 @@ class LayerProfiler:
         return hit_ms, rows, moved_ms, moved, device_table_rows(self.device, spec)
 
     def time_disk(
-        self, directory: str, dim: int, acc_width: int, reads_in_flight: int, disk_gb: float | None
+        self, directory: str, dim: int, optimizer: str, reads_in_flight: int, disk_gb: float | None
     ) -> list[tuple[str, int, int, float]]:
         """This machine's disk under `directory` as a PS shard's disk tier uses it, records of a table of
-        `dim` (ps/disk_timing.py): (what, reads in flight, rows, ms) per setting timed."""
-        from heterps_ray.ps.disk_tier import record_dtype
+        `dim` and sparse `optimizer` (ps/disk_timing.py): (what, reads in flight, rows, ms) per setting."""
+        from heterps_ray.ps.disk_tier import table_record_dtype
         from heterps_ray.ps.disk_timing import time_disk
 
-        timings = time_disk(directory, record_dtype(dim, acc_width), reads_in_flight, disk_gb)
+        timings = time_disk(directory, table_record_dtype(dim, optimizer), reads_in_flight, disk_gb)
         return [(t.what, t.depth, t.rows, t.ms) for t in timings]
 
     def read_input(self, path: str, batch_size: int, rows: int) -> tuple[int, float, float]:
@@ -433,6 +433,6 @@ class ProfilingHost:
         return self.profiler.time_device_table(batches, dim)
 
     def time_disk(
-        self, directory: str, dim: int, acc_width: int, reads_in_flight: int, disk_gb: float | None
+        self, directory: str, dim: int, optimizer: str, reads_in_flight: int, disk_gb: float | None
     ) -> list[tuple[str, int, int, float]]:
-        return self.profiler.time_disk(directory, dim, acc_width, reads_in_flight, disk_gb)
+        return self.profiler.time_disk(directory, dim, optimizer, reads_in_flight, disk_gb)

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from heterps_ray.config import JobConfig
+from heterps_ray.config import JobConfig, ResourceType
 from heterps_ray.costmodel.hit_rates import cache_hit_rate
 from heterps_ray.costmodel.problem import PSTable
-from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, MIN_RAM_SHARE, peak_file_bytes, record_dtype
+from heterps_ray.ps.disk_tier import INDEX_BYTES_PEAK, MIN_RAM_SHARE, peak_file_bytes, table_record_dtype
 from heterps_ray.ps.row_bytes import max_rows_for, stored_bytes_per_row
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def disk_option(job: JobConfig, estimate: TableEstimate, dim: int, optimizer: st
     return plan if plan is not None and plan.shards < ram else None
 
 
-def _ps_type(job: JobConfig) -> Any:
+def _ps_type(job: JobConfig) -> ResourceType:
     return job.cluster.type(job.cluster.ps_resource)
 
 
@@ -173,7 +173,7 @@ def disk_layout(
         rows,
         max_rows_for(budget, dim, optimizer, admit_after=admit_after) if budget > 0 else 0,
         INDEX_BYTES_PEAK / stored_bytes_per_row(dim, optimizer, tracked=True),
-        record_dtype(dim, 1 if optimizer == "rowwise_adagrad" else dim).itemsize,
+        table_record_dtype(dim, optimizer).itemsize,
         disk_gb,
         disk_dir,
     )

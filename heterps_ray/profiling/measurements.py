@@ -359,27 +359,21 @@ def _synthetic_keys(batch_size: int, num_slots: int, rng: np.random.Generator) -
 
 
 def disk_runs(
-    job: JobConfig,
-    spec: ModelSpec,
-    present: list[ResourceType],
-    actors: dict[str, list[Any]],
-    wait: Waiter,
+    job: JobConfig, spec: ModelSpec, ps_name: str, actors: dict[str, list[Any]], wait: Waiter
 ) -> list[Row]:
-    """The PS type's local disk where it declares one (``disk_dir``), timed on its first actor as a PS
-    shard's disk tier uses it (ps/disk_timing.py): a row of kind ``disk`` per setting, `peer` what was
-    timed ("cold", "warm", "append", "miss"), `calls` the reads in flight, `ms` over `rows` records."""
+    """The local disk of the PS type `ps_name` where it declares one (``disk_dir``), timed on its first
+    actor as a PS shard's disk tier uses it (ps/disk_timing.py): a row of kind ``disk`` per setting,
+    `peer` what was timed ("cold", "warm", "append", "miss"), `calls` the reads in flight, `ms` over
+    `rows` records."""
     from heterps_ray.ps.spec import sparse_spec
 
-    names = [t.name for t in present]
-    ps_name = job.cluster.ps_resource if job.cluster.ps_resource in names else names[0]
     ps = job.cluster.type(ps_name)
     if ps.disk_dir is None:
         return []
     table = sparse_spec(job, spec.embedding_dim, spec.embedding_init_scale)
-    acc_width = 1 if table.optimizer == "rowwise_adagrad" else table.dim
     timings = wait(
         actors[ps_name][0].time_disk.remote(
-            ps.disk_dir, table.dim, acc_width, table.disk_reads_in_flight, ps.disk_gb
+            ps.disk_dir, table.dim, table.optimizer, table.disk_reads_in_flight, ps.disk_gb
         ),
         f"{ps_name} disk",
     )

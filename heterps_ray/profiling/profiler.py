@@ -356,7 +356,7 @@ def measure(
         rows += input_runs(job, present, actors, settings, wait)
         if gpu_table_setting(job) == "auto":
             rows += device_table_runs(job, spec, present, actors, settings, wait)
-        rows += disk_runs(job, spec, present, actors, wait)
+        rows += disk_runs(job, spec, ps_name, actors, wait)
         bar.update()
         bar.set_postfix_str("machines and their background load")
         rows += host_runs(present, actors, settings, wait)

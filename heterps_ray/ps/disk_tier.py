@@ -71,6 +71,11 @@ def peak_file_bytes(live_rows: int, record_bytes: int) -> int:
     return (at_compaction + live_rows) * record_bytes
 
 
+def table_record_dtype(dim: int, optimizer: str) -> np.dtype:
+    """The record of a row of a table of `dim` with sparse `optimizer` (rowwise Adagrad: one accumulator)."""
+    return record_dtype(dim, 1 if optimizer == "rowwise_adagrad" else dim)
+
+
 def record_dtype(dim: int, acc_width: int) -> np.dtype:
     """One record: the row store's row as it is in RAM (a tracked row: key, count, last seen, weights,
     accumulators), so a row goes to disk and back as a copy of its bytes."""
